@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both install what they need.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-unit lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: a range that admits a newer torch pulls GBs of CUDA wheels.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/mooncake demo
+
+test: $(STAMP)
+	$(BIN)/ruff check mooncake workers tests
+	$(BIN)/pytest -q
+
+test-unit: $(STAMP)
+	$(BIN)/pytest -q tests/unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check mooncake workers tests
+	$(BIN)/ruff format --check mooncake workers tests
+	$(BIN)/mypy mooncake workers
+
+bench: $(STAMP)
+	$(BIN)/mooncake bench bus --json
+
+clean:
+	rm -rf $(VENV) .mooncake .pytest_cache

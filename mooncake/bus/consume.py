@@ -1,0 +1,345 @@
+"""Durable pull consumers: the consume loop with ack / nak-with-backoff / term + dead letter.
+
+We keep pull requests outstanding on a private inbox (as the newer NATS "consume" APIs do)
+instead of calling `fetch()` in a loop: a message is handled as soon as it arrives when the
+system is idle, and messages that arrive together are handed over as one batch under load.
+
+A handler returns one `Outcome` per delivery; it never has to know about NATS acks:
+- `Ack`: the effect is durable; the message is done.
+- `Retry`: transient failure; nak with exponential backoff (or the given delay).
+- `DeadLetter`: the message can never be processed; it is copied with the reason to
+  `mc.dlq.<consumer>` (recorded in Postgres by the recorder) and terminated.
+A handler that raises is treated as `Retry`; a message delivered more than `max_deliver`
+times (even one that crashed the process every time) is dead-lettered before the handler
+sees it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from opentelemetry.trace import SpanKind
+
+from mooncake import metrics
+from mooncake.bus.publish import MSG_ID, Publisher
+from mooncake.config import BusSettings
+from mooncake.events import Namespace
+from mooncake.telemetry import extract_context, tracer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    reason: str
+    delay_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    reason: str
+    detail: str = ""
+
+
+Outcome = Ack | Retry | DeadLetter
+ACK = Ack()
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSpec:
+    """A durable consumer, named canonically (`MC_REQ`, `mc.req.>`)."""
+
+    stream: str
+    durable: str
+    filter_subject: str
+    deliver_all: bool = True
+
+    def within(self, ns: Namespace) -> ConsumerSpec:
+        return ConsumerSpec(
+            ns.stream(self.stream), self.durable, ns.subject(self.filter_subject), self.deliver_all
+        )
+
+
+class Delivery:
+    """One JetStream message as a handler sees it."""
+
+    __slots__ = ("_meta", "msg")
+
+    def __init__(self, msg: Msg) -> None:
+        self.msg = msg
+        self._meta = msg.metadata
+
+    @property
+    def data(self) -> bytes:
+        return self.msg.data
+
+    @property
+    def subject(self) -> str:
+        return self.msg.subject
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.msg.headers or {}
+
+    @property
+    def num_delivered(self) -> int:
+        return int(self._meta.num_delivered)
+
+    @property
+    def stream_seq(self) -> int:
+        return int(self._meta.sequence.stream)
+
+    @property
+    def stream(self) -> str:
+        return str(self._meta.stream)
+
+    async def in_progress(self) -> None:
+        """Tell the server we are still working on it (resets the ack-wait timer)."""
+        await self.msg.in_progress()
+
+
+BatchHandler = Callable[[list[Delivery]], Awaitable[Sequence[Outcome]]]
+Handler = Callable[[Delivery], Awaitable[Outcome]]
+
+
+def backoff_delay(num_delivered: int, bus: BusSettings) -> float:
+    return float(min(bus.nak_base_delay_s * 2 ** max(num_delivered - 1, 0), bus.nak_max_delay_s))
+
+
+def per_message(handler: Handler, name: str) -> BatchHandler:
+    """Run a per-message handler over a batch, in order, one consumer span per message."""
+
+    async def handle(batch: list[Delivery]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for d in batch:
+            ctx = extract_context(d.headers)
+            with tracer().start_as_current_span(
+                f"{name} {d.subject}", context=ctx, kind=SpanKind.CONSUMER
+            ) as span:
+                span.set_attribute("messaging.message.id", d.headers.get(MSG_ID, ""))
+                span.set_attribute("mc.num_delivered", d.num_delivered)
+                try:
+                    outcomes.append(await handler(d))
+                except Exception as exc:  # any failure is a retry, never a dead consumer
+                    log.exception("%s: handler failed on %s seq %d", name, d.subject, d.stream_seq)
+                    span.record_exception(exc)
+                    outcomes.append(Retry(f"{type(exc).__name__}: {exc}"[:500]))
+        return outcomes
+
+    return handle
+
+
+class PullConsumer:
+    """A durable pull consumer on one stream with a flow-controlled request window."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        spec: ConsumerSpec,
+        bus: BusSettings,
+        ns: Namespace,
+        *,
+        batch: int | None = None,
+        expires_s: float = 5.0,
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self.spec = spec.within(ns)
+        self._ns = ns
+        self._bus = bus
+        self._batch = batch or bus.fetch_batch
+        self._expires_s = expires_s
+        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._outstanding = 0
+        self._last_request = 0.0
+        self._inbox = ""
+        self._sub: object | None = None
+        self._publisher = Publisher(nc, js, ns)
+
+    async def ensure(self) -> None:
+        """Create the durable consumer if needed (idempotent)."""
+        config = ConsumerConfig(
+            durable_name=self.spec.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self._bus.ack_wait_s,
+            # We count deliveries ourselves and dead-letter; the server never gives up
+            # silently on a message.
+            max_deliver=-1,
+            max_ack_pending=max(self._batch * 4, 1000),
+            filter_subject=self.spec.filter_subject,
+            deliver_policy=DeliverPolicy.ALL if self.spec.deliver_all else DeliverPolicy.NEW,
+        )
+        await self._js.add_consumer(self.spec.stream, config)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._queue.put_nowait(msg)
+
+    async def start(self) -> None:
+        await self.ensure()
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(
+            self._inbox, cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1
+        )
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()  # type: ignore[attr-defined]
+            self._sub = None
+
+    async def _request_more(self) -> None:
+        now = time.monotonic()
+        if now - self._last_request > self._expires_s + 1.0:
+            # Every request we made has expired (or was lost in a reconnect).
+            self._outstanding = 0
+        want = self._batch * 2 - self._outstanding
+        if want < self._batch and self._outstanding > 0:
+            return
+        request = {"batch": want, "expires": int(self._expires_s * 1e9)}
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.spec.stream}.{self.spec.durable}"
+        try:
+            await self._nc.publish(subject, json.dumps(request).encode(), reply=self._inbox)
+        except Exception as exc:  # disconnected: try again on the next turn
+            log.debug("pull request failed: %s", exc)
+            return
+        self._outstanding += want
+        self._last_request = now
+
+    def _split(self, msgs: list[Msg]) -> list[Delivery]:
+        deliveries = []
+        for m in msgs:
+            status = (m.headers or {}).get("Status")
+            if status is None and m.reply:
+                self._outstanding -= 1
+                deliveries.append(Delivery(m))
+            elif status in ("404", "408"):
+                pending = (m.headers or {}).get("Nats-Pending-Messages")
+                self._outstanding -= int(pending) if pending else 0
+            elif status == "409":  # leadership change, consumer deleted, max waiting ...
+                log.info("pull request ended: %s", (m.headers or {}).get("Description"))
+                self._outstanding = 0
+            # "100" is an idle heartbeat / flow control: nothing to do.
+        self._outstanding = max(self._outstanding, 0)
+        return deliveries
+
+    async def _next_batch(self) -> list[Msg]:
+        try:
+            first = await asyncio.wait_for(self._queue.get(), timeout=1.0)
+        except TimeoutError:
+            return []
+        msgs = [first]
+        while len(msgs) < self._batch and not self._queue.empty():
+            msgs.append(self._queue.get_nowait())
+        return msgs
+
+    async def run(self, handler: BatchHandler, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            while not stop.is_set():
+                await self._request_more()
+                deliveries = self._split(await self._next_batch())
+                if deliveries:
+                    await self._dispatch(deliveries, handler)
+        finally:
+            await self.close()
+
+    async def _dispatch(self, deliveries: list[Delivery], handler: BatchHandler) -> None:
+        name = self.spec.durable
+        live: list[Delivery] = []
+        for d in deliveries:
+            if d.num_delivered > self._bus.max_deliver:
+                await self._dead_letter(d, DeadLetter("max_deliver", f"{d.num_delivered} tries"))
+            else:
+                live.append(d)
+        if not live:
+            return
+        started = time.perf_counter()
+        try:
+            outcomes = list(await handler(live))
+        except Exception as exc:
+            log.exception("%s: batch handler failed", name)
+            outcomes = [Retry(f"{type(exc).__name__}: {exc}"[:500])] * len(live)
+        metrics.BUS_HANDLE_SECONDS.labels(name).observe(time.perf_counter() - started)
+        if len(outcomes) != len(live):
+            log.error("%s: handler returned %d outcomes for %d", name, len(outcomes), len(live))
+            outcomes = [Retry("handler outcome count mismatch")] * len(live)
+        for d, outcome in zip(live, outcomes, strict=True):
+            await self._settle(d, outcome)
+
+    async def _settle(self, d: Delivery, outcome: Outcome) -> None:
+        name = self.spec.durable
+        match outcome:
+            case Ack():
+                await d.msg.ack()
+                metrics.BUS_HANDLED.labels(name, "ack").inc()
+            case Retry(delay_s=delay):
+                wait = delay if delay is not None else backoff_delay(d.num_delivered, self._bus)
+                await d.msg.nak(delay=wait)
+                metrics.BUS_HANDLED.labels(name, "retry").inc()
+            case DeadLetter():
+                await self._dead_letter(d, outcome)
+
+    async def _dead_letter(self, d: Delivery, dl: DeadLetter) -> None:
+        name = self.spec.durable
+        headers = {
+            MSG_ID: f"dlq:{d.stream}:{d.stream_seq}:{name}",
+            "Mc-Dlq-Reason": dl.reason,
+            "Mc-Dlq-Detail": _header_safe(dl.detail),
+            "Mc-Dlq-Stream": d.stream,
+            "Mc-Dlq-Seq": str(d.stream_seq),
+            "Mc-Dlq-Subject": d.subject,
+            "Mc-Dlq-Consumer": name,
+        }
+        if tp := d.headers.get("traceparent"):
+            headers["traceparent"] = tp
+        try:
+            await self._publisher.publish_raw(self._ns.dead_letter_subject(name), d.data, headers)
+        except Exception:
+            # Could not record it: leave it for redelivery rather than lose it.
+            log.exception("%s: dead-letter publish failed; will retry", name)
+            await d.msg.nak(delay=backoff_delay(d.num_delivered, self._bus))
+            return
+        log.warning("%s: dead-lettered %s seq %d: %s", name, d.subject, d.stream_seq, dl.reason)
+        await d.msg.term()
+        metrics.BUS_HANDLED.labels(name, "dead_letter").inc()
+        metrics.DEAD_LETTERS.labels(name, dl.reason).inc()
+
+
+def _header_safe(text: str, limit: int = 1000) -> str:
+    """Header values are one line of printable text."""
+    return "".join(ch if ch.isprintable() else " " for ch in text)[:limit]
+
+
+@contextlib.asynccontextmanager
+async def keep_alive(delivery: Delivery, interval_s: float):  # type: ignore[no-untyped-def]
+    """Send `in_progress` every `interval_s` while a long handler runs (e.g. a prefill)."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            with contextlib.suppress(Exception):
+                await delivery.in_progress()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,293 @@
+"""The `mooncake` command (typer): up, demo, worker, submit, db, bench."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mooncake.config import Settings, load_settings
+
+app = typer.Typer(help="mooncake: KVCache-centric disaggregated LLM serving", no_args_is_help=True)
+db_app = typer.Typer(help="The Postgres record: migrations, checks, rebuilds", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks that measure a baseline in the same run", no_args_is_help=True
+)
+app.add_typer(db_app, name="db")
+app.add_typer(bench_app, name="bench")
+console = Console()
+err = Console(stderr=True)
+
+WORKERS = ("recorder", "conductor")
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except Exception as exc:  # a bad MOONCAKE_* value: say which, do not trace back
+        err.print(f"[red]invalid configuration:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+def _require_db(settings: Settings) -> str:
+    if not settings.database_url:
+        err.print("[red]no database:[/red] set MOONCAKE_DATABASE_URL or run `mooncake up` first")
+        raise typer.Exit(2)
+    return settings.database_url
+
+
+# --- up / demo / worker ----------------------------------------------------------------------
+
+
+def _status_table(stack: object) -> Table:
+    table = Table(title="mooncake")
+    for col in ("component", "address", "state"):
+        table.add_column(col)
+    for row in stack.status_rows():  # type: ignore[attr-defined]
+        table.add_row(*row)
+    return table
+
+
+@app.command()
+def up(
+    workers: Annotated[bool, typer.Option(help="Start the worker processes")] = True,
+) -> None:
+    """Start what is missing (broker, database), migrate, start every worker; Ctrl-C stops."""
+    from mooncake.stack import Stack
+
+    settings = _settings()
+    stack = Stack(settings)
+    try:
+        with console.status("starting infrastructure"):
+            stack.start_infrastructure()
+        if workers:
+            stack.start_workers(WORKERS)
+        console.print(_status_table(stack))
+        console.print(
+            f'logs in {settings.data_dir / "logs"}; `mooncake submit "hello"` in another '
+            "terminal; Ctrl-C to stop"
+        )
+        _wait_for_signal(stack)
+    finally:
+        with console.status("stopping"):
+            stack.stop()
+        console.print("stopped")
+
+
+def _wait_for_signal(stack: object) -> None:
+    stopping = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    while not stopping:
+        time.sleep(0.5)
+        for w in stack.workers:  # type: ignore[attr-defined]
+            if not w.running:
+                err.print(f"[yellow]{w.name} exited ({w.proc.returncode}); restarting[/yellow]")
+                stack.restart(w)  # type: ignore[attr-defined]
+
+
+@app.command()
+def demo(
+    requests: Annotated[int, typer.Option(help="Requests in the burst")] = 500,
+) -> None:
+    """Run the whole system on the embedded default, push requests through it, show the
+    record, and shut down."""
+    from mooncake.demo import run_demo
+
+    settings = _settings()
+    ok = run_demo(settings, console, requests=requests)
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def worker(
+    role: Annotated[str, typer.Argument(help=f"One of: {', '.join(WORKERS)}")],
+    instance: Annotated[str | None, typer.Option(help="Instance id")] = None,
+) -> None:
+    """Run one worker role against an existing broker and database."""
+    settings = _settings()
+    from workers.runtime import configure_logging
+
+    configure_logging(settings.log_level)
+    if role == "recorder":
+        from workers import recorder as mod
+    elif role == "conductor":
+        from workers import conductor as mod  # type: ignore[no-redef]
+    else:
+        err.print(f"[red]unknown role {role!r}[/red]; expected one of {', '.join(WORKERS)}")
+        raise typer.Exit(2)
+    asyncio.run(mod.main(settings, instance))
+
+
+# --- submit -----------------------------------------------------------------------------------
+
+
+@app.command()
+def submit(
+    prompt: Annotated[str, typer.Argument(help="The prompt text")],
+    max_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the outcome")] = 30.0,
+    raw: Annotated[bool, typer.Option("--json", help="Print each reply as JSON")] = False,
+) -> None:
+    """Publish a request to mc.req.submitted and print what comes back."""
+    from mooncake.events import SamplingParams
+
+    settings = _settings()
+    if not prompt.strip():
+        err.print("[red]the prompt is empty[/red]")
+        raise typer.Exit(2)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    asyncio.run(_submit(settings, prompt, params, timeout, raw))
+
+
+async def _submit(
+    settings: Settings, prompt: str, params: object, wait_s: float, raw: bool
+) -> None:
+    import nats
+
+    from mooncake.client import submit as do_submit
+    from mooncake.events import Namespace
+
+    try:
+        nc = await nats.connect(settings.nats_url, connect_timeout=3, max_reconnect_attempts=1)
+    except Exception as exc:
+        err.print(
+            f"[red]cannot reach NATS at {settings.nats_url}:[/red] {exc}; is `mooncake up` running?"
+        )
+        raise typer.Exit(1) from exc
+    got = False
+    try:
+        ns = Namespace(settings.namespace)
+        replies = do_submit(nc, prompt, ns=ns, params=params, timeout_s=wait_s)  # type: ignore[arg-type]
+        async for body in replies:
+            got = True
+            if raw:
+                console.print_json(json.dumps(body))
+            else:
+                _print_reply(body)
+    finally:
+        await nc.close()
+    if not got:
+        err.print(f"[yellow]no reply within {wait_s:.0f}s[/yellow]")
+        raise typer.Exit(1)
+
+
+def _print_reply(body: dict[str, object]) -> None:
+    kind = str(body.get("type", "?")).removeprefix("request.")
+    rid = body.get("request_id")
+    if kind == "rejected":
+        console.print(f"[red]{rid} rejected[/red]: {body.get('reason')} {body.get('detail', '')}")
+    else:
+        extras = {
+            k: v
+            for k, v in body.items()
+            if k in ("policy", "prefill_instance", "decode_instance", "text")
+        }
+        console.print(f"[green]{rid} {kind}[/green] {extras}")
+
+
+# --- db ---------------------------------------------------------------------------------------
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head") -> None:
+    """Apply migrations."""
+    from mooncake.db.engine import upgrade
+
+    upgrade(_require_db(_settings()), revision)
+    console.print(f"database at {revision}")
+
+
+@db_app.command("check")
+def db_check() -> None:
+    """Fail if the models and migrations have drifted (alembic check)."""
+    from alembic.util.exc import CommandError
+
+    from mooncake.db.engine import check
+
+    try:
+        check(_require_db(_settings()))
+    except CommandError as exc:
+        err.print(f"[red]drift:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    console.print("models and migrations agree")
+
+
+@db_app.command("rebuild")
+def db_rebuild(
+    check_only: Annotated[
+        bool, typer.Option("--check", help="Only compare, write nothing")
+    ] = False,
+) -> None:
+    """Drop and rebuild every projection from `events` (or, with --check, compare only)."""
+    from mooncake.db import rebuild as rb
+    from mooncake.db.engine import async_engine
+
+    url = _require_db(_settings())
+
+    async def go() -> int:
+        engine = async_engine(url)
+        try:
+            if check_only:
+                diffs = await rb.verify(engine)
+                for d in diffs:
+                    console.print(f"[red]{d}[/red]")
+                console.print(
+                    "projections match the events log" if not diffs else f"{len(diffs)} differences"
+                )
+                return 1 if diffs else 0
+            counts = await rb.rebuild(engine)
+            console.print(f"rebuilt {counts}")
+            return 0
+        finally:
+            await engine.dispose()
+
+    raise typer.Exit(asyncio.run(go()))
+
+
+# --- bench ------------------------------------------------------------------------------------
+
+
+@bench_app.command("bus")
+def bench_bus(
+    events: Annotated[int, typer.Option(help="Events for the recorder throughput run")] = 20000,
+    relays: Annotated[int, typer.Option(help="Messages through each 3-hop relay")] = 500,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Recorder throughput into Postgres and 3-hop relay latency vs bare nats-py."""
+    from mooncake.bench.bus import run_bus_bench
+
+    settings = _settings()
+    result = asyncio.run(run_bus_bench(settings, events=events, relays=relays, log=err))
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        table = Table(title="bench bus")
+        table.add_column("metric")
+        table.add_column("value")
+        for k, v in result.items():
+            table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+        console.print(table)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    logging.basicConfig(level=logging.WARNING)
+    app()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,113 @@
+"""One typed, frozen Settings object, loaded once at the entry point and passed down.
+
+Library code never reads os.environ: the CLI (or a worker's main) calls `load_settings()`
+and hands the object to whatever needs it. Variables are prefixed `MOONCAKE_`; nested
+groups use `__` (e.g. `MOONCAKE_SLO__TTFT_S=10`).
+
+`mooncake up` writes the addresses of the broker and database it started to
+`<data_dir>/runtime.env`, which is read here as a dotenv file, so that a second terminal's
+`mooncake submit` finds the running system without any flags.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from mooncake.events import Namespace
+
+DEFAULT_DATA_DIR = Path(".mooncake")
+RUNTIME_ENV = DEFAULT_DATA_DIR / "runtime.env"
+
+
+class SLO(BaseModel):
+    """Service-level objectives (PAPER.md §7)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttft_s: Annotated[float, Field(gt=0)] = 30.0
+    tbt_s: Annotated[float, Field(gt=0)] = 0.1
+
+
+class BusSettings(BaseModel):
+    """JetStream stream and consumer tuning."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Replicas of every stream: 1 on a single server, 3 on a JetStream cluster.
+    replicas: Annotated[int, Field(ge=1, le=5)] = 1
+    # Window in which JetStream drops a publish whose Nats-Msg-Id it has seen already.
+    dedupe_window_s: Annotated[float, Field(gt=0)] = 120.0
+    # Deliveries before a message that keeps failing is dead-lettered.
+    max_deliver: Annotated[int, Field(ge=1)] = 5
+    # A consumer must ack (or send in_progress) within this time or the message is redelivered.
+    ack_wait_s: Annotated[float, Field(gt=0)] = 30.0
+    # Backoff for nak-with-delay: delay = min(base * 2**(attempt-1), max).
+    nak_base_delay_s: Annotated[float, Field(ge=0)] = 0.2
+    nak_max_delay_s: Annotated[float, Field(ge=0)] = 10.0
+    fetch_batch: Annotated[int, Field(ge=1, le=10_000)] = 256
+    # Ingress limit for one submitted request, checked before parsing.
+    max_event_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MOONCAKE_",
+        env_nested_delimiter="__",
+        env_file=(".env", str(RUNTIME_ENV)),
+        extra="ignore",
+        frozen=True,
+    )
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    # Prefix of every subject ("mc.req.submitted") and stream ("MC_REQ"): deployments with
+    # different namespaces share a NATS server without seeing each other's messages.
+    namespace: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,30}$")] = "mc"
+    # None: `mooncake up` starts an embedded Postgres and records its URL in runtime.env.
+    database_url: str | None = None
+    data_dir: Path = DEFAULT_DATA_DIR
+
+    block_tokens: Annotated[int, Field(ge=16, le=4096)] = 512
+    model_id: str = "smollm2-135m-instruct"
+    hash_seed: int = 0x6D6F6F6E  # "moon"
+
+    slo: SLO = SLO()
+    bus: BusSettings = BusSettings()
+
+    # Admission policy; the Conductor issue adds baseline, early and predicted.
+    admission_policy: Literal["none"] = "none"
+
+    # OpenTelemetry: spans are created always, exported only when an endpoint is set.
+    otlp_endpoint: str | None = None
+    service_name: str = "mooncake"
+    # Prometheus /metrics per worker process: 0 picks a free port, -1 disables it.
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
+
+    recorder_batch: Annotated[int, Field(ge=1, le=10_000)] = 1000
+    log_level: str = "INFO"
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise_db_url(cls, v: str | None) -> str | None:
+        return normalise_database_url(v) if v else None
+
+
+def namespace_of(settings: Settings) -> Namespace:
+    return Namespace(settings.namespace)
+
+
+def normalise_database_url(url: str) -> str:
+    """Accept plain `postgresql://` URLs and pin SQLAlchemy to the psycopg 3 driver."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def load_settings(**overrides: object) -> Settings:
+    """The only place settings are read from the environment and dotenv files."""
+    return Settings(**overrides)  # type: ignore[arg-type]

@@ -1,0 +1,197 @@
+"""Recording a batch of events: insert into `events` and update projections, one transaction.
+
+Exactly-once effect: the insert is `ON CONFLICT (event_id) DO NOTHING ... RETURNING`, and
+only the events that were really inserted are folded into the projections, in the same
+transaction. A redelivered batch (recorder killed before its acks) inserts nothing new and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Table, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from mooncake import events as ev
+from mooncake.db import projections as proj
+from mooncake.db.models import DeadLetterRow, EventRow, InstanceRow, KvObjectRow, RequestRow
+
+EVENTS: Table = EventRow.__table__  # type: ignore[assignment]
+DEAD_LETTERS: Table = DeadLetterRow.__table__  # type: ignore[assignment]
+TABLES: dict[str, Table] = {
+    "requests": RequestRow.__table__,  # type: ignore[dict-item]
+    "kv_objects": KvObjectRow.__table__,  # type: ignore[dict-item]
+    "instances": InstanceRow.__table__,  # type: ignore[dict-item]
+}
+DLQ_PAYLOAD_LIMIT = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """An event as it arrived: its place in the stream orders it in the projections."""
+
+    event: ev.Event
+    stream: str
+    seq: int
+    subject: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordResult:
+    inserted: int
+    duplicates: int
+    illegal: int
+
+
+def _event_row(i: Incoming) -> dict[str, object]:
+    e = i.event
+    return {
+        "event_id": e.event_id,
+        "type": e.type,
+        "entity": proj.entity_of(e),
+        "request_id": getattr(e, "request_id", None),
+        "stream": i.stream,
+        "stream_seq": i.seq,
+        "subject": i.subject,
+        "occurred_at": e.occurred_at,
+        "schema_version": e.schema_version,
+        "traceparent": e.traceparent,
+        "payload": e.model_dump(mode="json", exclude_none=True),
+    }
+
+
+async def record_events(conn: AsyncConnection, batch: Sequence[Incoming]) -> RecordResult:
+    """Insert the batch into `events` and fold what was new into the projections.
+
+    Must run inside a transaction (the caller commits, then acks the messages).
+    """
+    unique: dict[str, Incoming] = {}
+    for item in batch:
+        unique.setdefault(item.event.event_id, item)
+    if not unique:
+        return RecordResult(0, len(batch), 0)
+    stmt = pg_insert(EVENTS).on_conflict_do_nothing(index_elements=["event_id"])
+    result = await conn.execute(
+        stmt.returning(EVENTS.c.event_id, sort_by_parameter_order=True),
+        [_event_row(i) for i in unique.values()],
+    )
+    inserted_ids = set(result.scalars())
+    new = [i for i in unique.values() if i.event.event_id in inserted_ids]
+    illegal = await _update_projections(conn, new)
+    return RecordResult(len(new), len(batch) - len(new), illegal)
+
+
+async def _update_projections(conn: AsyncConnection, new: list[Incoming]) -> int:
+    by_entity: dict[str, list[proj.SeqEvent]] = defaultdict(list)
+    for i in new:
+        by_entity[proj.entity_of(i.event)].append((i.seq, i.event))
+    by_table: dict[str, list[str]] = defaultdict(list)
+    for entity in by_entity:
+        by_table[proj.table_of(entity)].append(entity)
+    illegal = 0
+    for table_name in sorted(by_table):  # a fixed lock order across transactions
+        entities = sorted(by_table[table_name])
+        table = TABLES[table_name]
+        existing = await _lock_rows(conn, table, [proj.key_of(e) for e in entities])
+        upserts, deletes = [], []
+        for entity in entities:
+            key = proj.key_of(entity)
+            items = sorted(by_entity[entity], key=lambda se: se[0])
+            old = existing.get(key)
+            if old is not None and items[0][0] <= old["last_seq"]:
+                # An older fact arrived late: fold this entity again, from the log.
+                new_row = proj.fold(entity, None, await load_entity_events(conn, entity))
+            else:
+                new_row = proj.fold(entity, old, items)
+            if table_name == "requests":
+                before = old["illegal_events"] if old else 0
+                illegal += (new_row["illegal_events"] if new_row else len(items)) - before
+            if new_row is None:
+                if old is not None:
+                    deletes.append(key)
+            else:
+                upserts.append(new_row)
+        await _write(conn, table, upserts, deletes)
+    return illegal
+
+
+async def _lock_rows(conn: AsyncConnection, table: Table, keys: list[str]) -> dict[str, dict]:  # type: ignore[type-arg]
+    pk = next(iter(table.primary_key.columns))
+    rows = await conn.execute(select(table).where(pk.in_(keys)).with_for_update())
+    return {r._mapping[pk.name]: dict(r._mapping) for r in rows}
+
+
+async def load_entity_events(conn: AsyncConnection, entity: str) -> list[proj.SeqEvent]:
+    rows = await conn.execute(
+        select(EVENTS.c.stream_seq, EVENTS.c.payload)
+        .where(EVENTS.c.entity == entity)
+        .order_by(EVENTS.c.stream, EVENTS.c.stream_seq)
+    )
+    return [(seq, ev.event_from_payload(payload)) for seq, payload in rows]
+
+
+async def _write(
+    conn: AsyncConnection,
+    table: Table,
+    upserts: list[dict],
+    deletes: list[str],  # type: ignore[type-arg]
+) -> None:
+    pk = next(iter(table.primary_key.columns))
+    if upserts:
+        stmt = pg_insert(table)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[pk.name],
+            set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name != pk.name},
+        )
+        await conn.execute(stmt, upserts)
+    if deletes:
+        await conn.execute(table.delete().where(pk.in_(deletes)))
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterIn:
+    dlq_id: str
+    consumer: str
+    stream: str
+    stream_seq: int
+    subject: str
+    reason: str
+    detail: str
+    payload: bytes
+
+
+async def record_dead_letters(conn: AsyncConnection, items: Sequence[DeadLetterIn]) -> int:
+    if not items:
+        return 0
+    rows = [
+        {
+            "dlq_id": d.dlq_id,
+            "consumer": d.consumer,
+            "stream": d.stream,
+            "stream_seq": d.stream_seq,
+            "subject": d.subject,
+            "reason": d.reason,
+            "detail": d.detail,
+            "payload": d.payload[:DLQ_PAYLOAD_LIMIT],
+            "payload_size": len(d.payload),
+            "payload_sha256": hashlib.sha256(d.payload).hexdigest(),
+        }
+        for d in items
+    ]
+    stmt = pg_insert(DEAD_LETTERS).on_conflict_do_nothing(index_elements=["dlq_id"])
+    result = await conn.execute(stmt.returning(DEAD_LETTERS.c.id), rows)
+    return len(result.all())
+
+
+async def lock_for_rebuild(conn: AsyncConnection) -> None:
+    """Block new recordings (SHARE on events), then take the projections exclusively.
+
+    The recorder takes events before projections too, so the two never deadlock.
+    """
+    await conn.execute(text("LOCK TABLE events IN SHARE MODE"))
+    await conn.execute(text("LOCK TABLE requests, kv_objects, instances IN ACCESS EXCLUSIVE MODE"))

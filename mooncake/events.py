@@ -1,0 +1,432 @@
+"""The event envelope, every event type, and the one registry mapping type <-> subject.
+
+Events are facts, named in the past tense, frozen, and validated once at ingress
+(`parse_event`). Every event carries the envelope: `event_id` (also the JetStream
+`Nats-Msg-Id`, so a retried publish is dropped by the server's dedupe window and by the
+recorder's unique index), `type`, `occurred_at`, `schema_version` and the W3C
+`traceparent` of the span that produced it. Request events add `request_id`.
+
+Streams (see `STREAMS`): lifecycle facts live on `MC_REQ` (`mc.req.>`), metadata journal
+facts (store objects, instances) on `MC_META` (`mc.meta.>`), dead letters on `MC_DLQ`.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+# NATS subject tokens may not contain '.', '*', '>' or whitespace.
+TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
+SubjectToken = Annotated[str, Field(pattern=TOKEN_PATTERN)]
+
+
+def new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+_DERIVED_NS = uuid.UUID("6d6f6f6e-6361-6b65-8000-000000000001")
+
+
+def derived_event_id(parent_event_id: str, kind: str) -> str:
+    """A deterministic id for the event a handler emits in response to another one.
+
+    A redelivered message makes its handler publish the *same* event id again, so the
+    broker's dedupe window and the recorder's unique index keep the effect exactly-once.
+    """
+    return uuid.uuid5(_DERIVED_NS, f"{parent_event_id}/{kind}").hex
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Event(BaseModel):
+    """The envelope every event carries."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    SUBJECT: ClassVar[str]
+
+    event_id: Identifier = Field(default_factory=new_event_id)
+    type: str
+    occurred_at: datetime = Field(default_factory=utcnow)
+    schema_version: Annotated[int, Field(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
+    traceparent: str | None = None
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+class RequestEvent(Event):
+    request_id: Identifier
+
+
+# --- request lifecycle -------------------------------------------------------------------
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 128
+    temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    seed: int | None = None
+    stop: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)
+    ] = []
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = []
+
+
+class RequestSubmitted(RequestEvent):
+    """The public entry: a client publishes this on `mc.req.submitted`.
+
+    `request_id` doubles as the idempotency key: a second submission with the same id is
+    recorded but does not start a second request.
+    """
+
+    SUBJECT: ClassVar[str] = "mc.req.submitted"
+    type: Literal["request.submitted"] = "request.submitted"
+
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    params: SamplingParams = SamplingParams()
+    slo_class: SubjectToken = "default"
+    client_id: SubjectToken | None = None
+    # Core NATS subject the tokens and the outcome are streamed to.
+    reply_to: Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z0-9_.>*-]+$")] | None = None
+    deadline_s: Annotated[float, Field(gt=0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> RequestSubmitted:
+        if (self.prompt is None) == (self.token_ids is None):
+            raise ValueError("exactly one of 'prompt' and 'token_ids' must be given")
+        return self
+
+
+class RejectReason(StrEnum):
+    INVALID_REQUEST = "invalid_request"
+    TTFT_SLO = "ttft_slo"
+    TBT_SLO = "tbt_slo"
+    PREFILL_OVERLOADED = "prefill_overloaded"
+    DECODE_OVERLOADED = "decode_overloaded"
+    NO_INSTANCE = "no_instance"
+
+
+class RequestAdmitted(RequestEvent):
+    SUBJECT: ClassVar[str] = "mc.req.admitted"
+    type: Literal["request.admitted"] = "request.admitted"
+
+    policy: str
+    prefill_instance: SubjectToken | None = None
+    decode_instance: SubjectToken | None = None
+    prompt_tokens: Annotated[int, Field(ge=0)] | None = None
+    cached_prefix_tokens: Annotated[int, Field(ge=0)] = 0
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+    # Every input that drove the decision, so it can be explained afterwards.
+    inputs: dict[str, Any] = {}
+
+
+class RequestRejected(RequestEvent):
+    SUBJECT: ClassVar[str] = "mc.req.rejected"
+    type: Literal["request.rejected"] = "request.rejected"
+
+    reason: RejectReason
+    stage: Literal["ingress", "admission", "prefill", "decode"] = "admission"
+    detail: Annotated[str, Field(max_length=2000)] = ""
+    policy: str | None = None
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+    inputs: dict[str, Any] = {}
+
+
+class PrefillStarted(RequestEvent):
+    SUBJECT: ClassVar[str] = "mc.req.prefill_started"
+    type: Literal["request.prefill_started"] = "request.prefill_started"
+
+    instance: SubjectToken
+    attempt: Annotated[int, Field(ge=1)] = 1
+
+
+class RequestPrefilled(RequestEvent):
+    SUBJECT: ClassVar[str] = "mc.req.prefilled"
+    type: Literal["request.prefilled"] = "request.prefilled"
+
+    instance: SubjectToken
+    prompt_tokens: Annotated[int, Field(ge=0)]
+    cached_tokens: Annotated[int, Field(ge=0)] = 0
+    remote_cached_tokens: Annotated[int, Field(ge=0)] = 0
+    kv_keys: list[str] = []
+    first_token_id: Annotated[int, Field(ge=0)] | None = None
+    prefill_s: Annotated[float, Field(ge=0)] = 0.0
+
+
+class DecodeStarted(RequestEvent):
+    SUBJECT: ClassVar[str] = "mc.req.decode_started"
+    type: Literal["request.decode_started"] = "request.decode_started"
+
+    instance: SubjectToken
+    attempt: Annotated[int, Field(ge=1)] = 1
+
+
+class RequestCompleted(RequestEvent):
+    SUBJECT: ClassVar[str] = "mc.req.completed"
+    type: Literal["request.completed"] = "request.completed"
+
+    output_tokens: Annotated[int, Field(ge=0)]
+    finish_reason: Literal["stop", "length"] = "stop"
+    ttft_s: Annotated[float, Field(ge=0)] | None = None
+    # TBT as FAST'25 scores it: mean of the slowest 10 % of inter-token gaps.
+    tbt_s: Annotated[float, Field(ge=0)] | None = None
+    text: str | None = None
+
+
+class RequestFailed(RequestEvent):
+    SUBJECT: ClassVar[str] = "mc.req.failed"
+    type: Literal["request.failed"] = "request.failed"
+
+    reason: Annotated[str, Field(min_length=1, max_length=64)]
+    stage: Literal["admission", "prefill", "decode", "store", "unknown"] = "unknown"
+    detail: Annotated[str, Field(max_length=2000)] = ""
+
+
+class CancelRequested(RequestEvent):
+    """A command-like fact: somebody asked for the request to stop."""
+
+    SUBJECT: ClassVar[str] = "mc.req.cancel"
+    type: Literal["request.cancel_requested"] = "request.cancel_requested"
+
+    reason: Annotated[str, Field(max_length=200)] = "client"
+
+
+class RequestCancelled(RequestEvent):
+    SUBJECT: ClassVar[str] = "mc.req.cancelled"
+    type: Literal["request.cancelled"] = "request.cancelled"
+
+    reason: Annotated[str, Field(max_length=200)] = "client"
+    stage: Literal["admission", "prefill", "decode", "unknown"] = "unknown"
+
+
+# --- metadata journal: store objects and instances ----------------------------------------
+
+
+class Replica(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: SubjectToken
+    segment: Annotated[str, Field(max_length=128)]
+    tier: Literal["dram", "ssd"] = "dram"
+
+
+class KvObjectStored(Event):
+    SUBJECT: ClassVar[str] = "mc.meta.kv.stored"
+    type: Literal["kv.object.stored"] = "kv.object.stored"
+
+    key: Annotated[str, Field(min_length=1, max_length=256)]
+    size_bytes: Annotated[int, Field(ge=0)]
+    replicas: list[Replica]
+    pin: Literal["none", "soft", "hard"] = "none"
+
+
+class KvObjectRemoved(Event):
+    SUBJECT: ClassVar[str] = "mc.meta.kv.removed"
+    type: Literal["kv.object.removed"] = "kv.object.removed"
+
+    key: Annotated[str, Field(min_length=1, max_length=256)]
+    reason: Literal["removed", "evicted", "node_lost", "revoked"] = "removed"
+
+
+class InstanceRegistered(Event):
+    SUBJECT: ClassVar[str] = "mc.meta.instance.registered"
+    type: Literal["instance.registered"] = "instance.registered"
+
+    instance_id: SubjectToken
+    role: Literal["prefill", "decode", "store", "conductor", "recorder", "gateway"]
+    host: Annotated[str, Field(max_length=255)] = ""
+    endpoint: Annotated[str, Field(max_length=255)] = ""
+    capacity: dict[str, float] = {}
+
+
+class InstanceDeregistered(Event):
+    SUBJECT: ClassVar[str] = "mc.meta.instance.deregistered"
+    type: Literal["instance.deregistered"] = "instance.deregistered"
+
+    instance_id: SubjectToken
+    reason: Annotated[str, Field(max_length=200)] = "shutdown"
+
+
+# --- the registry --------------------------------------------------------------------------
+
+EVENT_CLASSES: tuple[type[Event], ...] = (
+    RequestSubmitted,
+    RequestAdmitted,
+    RequestRejected,
+    PrefillStarted,
+    RequestPrefilled,
+    DecodeStarted,
+    RequestCompleted,
+    RequestFailed,
+    CancelRequested,
+    RequestCancelled,
+    KvObjectStored,
+    KvObjectRemoved,
+    InstanceRegistered,
+    InstanceDeregistered,
+)
+
+
+def _type_of(cls: type[Event]) -> str:
+    default = cls.model_fields["type"].default
+    assert isinstance(default, str)
+    return default
+
+
+TYPE_TO_CLASS: dict[str, type[Event]] = {_type_of(c): c for c in EVENT_CLASSES}
+SUBJECT_TO_TYPE: dict[str, str] = {c.SUBJECT: _type_of(c) for c in EVENT_CLASSES}
+TYPE_TO_SUBJECT: dict[str, str] = {t: s for s, t in SUBJECT_TO_TYPE.items()}
+
+AnyEvent = Annotated[
+    RequestSubmitted
+    | RequestAdmitted
+    | RequestRejected
+    | PrefillStarted
+    | RequestPrefilled
+    | DecodeStarted
+    | RequestCompleted
+    | RequestFailed
+    | CancelRequested
+    | RequestCancelled
+    | KvObjectStored
+    | KvObjectRemoved
+    | InstanceRegistered
+    | InstanceDeregistered,
+    Field(discriminator="type"),
+]
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(AnyEvent)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    work_queue: bool = False
+
+
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec("MC_REQ", ("mc.req.>",)),
+    StreamSpec("MC_META", ("mc.meta.>",)),
+    StreamSpec("MC_DLQ", ("mc.dlq.>",)),
+)
+DEFAULT_NAMESPACE = "mc"
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Maps the canonical names above (`mc.*` subjects, `MC_*` streams) into a namespace,
+    so several deployments (or a test run) can share one NATS server without meeting.
+
+    Subjects in this module, and the ones `parse_event` checks, are always canonical.
+    """
+
+    prefix: str = DEFAULT_NAMESPACE
+
+    def subject(self, canonical: str) -> str:
+        return self.prefix + canonical[len(DEFAULT_NAMESPACE) :]
+
+    def of(self, event: Event | type[Event]) -> str:
+        return self.subject(event.SUBJECT)
+
+    def canonical(self, subject: str) -> str:
+        if subject.startswith(self.prefix + "."):
+            return DEFAULT_NAMESPACE + subject[len(self.prefix) :]
+        return subject
+
+    def stream(self, canonical: str) -> str:
+        return self.prefix.upper() + canonical[len(DEFAULT_NAMESPACE) :]
+
+    def streams(self) -> tuple[StreamSpec, ...]:
+        return tuple(
+            StreamSpec(
+                self.stream(s.name), tuple(self.subject(x) for x in s.subjects), s.work_queue
+            )
+            for s in STREAMS
+        )
+
+    def dead_letter_subject(self, consumer: str) -> str:
+        return self.subject(f"mc.dlq.{consumer}")
+
+
+# --- parsing at ingress ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidEvent:
+    """Why a message could not become an event, and its request id if one was readable."""
+
+    reason: str
+    detail: str
+    request_id: str | None = None
+
+
+_REQUEST_ID_RE = re.compile(rb'"request_id"\s*:\s*"([A-Za-z0-9._:-]{1,128})"')
+
+
+def sniff_request_id(data: bytes) -> str | None:
+    """Best-effort request id from a message that did not validate (or was too large to)."""
+    match = _REQUEST_ID_RE.search(data[:65536])
+    return match.group(1).decode() if match else None
+
+
+def parse_event(
+    data: bytes, *, subject: str | None = None, max_bytes: int | None = None
+) -> Event | InvalidEvent:
+    """Validate raw bytes into an event; never raises.
+
+    When `subject` is given, the event's type must be the one registered for it, so a
+    message cannot smuggle an `admitted` fact through the public `submitted` subject.
+    """
+    if max_bytes is not None and len(data) > max_bytes:
+        return InvalidEvent(
+            "payload_too_large",
+            f"{len(data)} bytes exceeds the limit of {max_bytes}",
+            sniff_request_id(data),
+        )
+    try:
+        event = _ADAPTER.validate_json(data)
+    except ValidationError as exc:
+        return InvalidEvent("invalid_request", _summarise(exc), sniff_request_id(data))
+    except (ValueError, UnicodeDecodeError) as exc:  # pragma: no cover - pydantic wraps most
+        return InvalidEvent("invalid_request", str(exc)[:500], sniff_request_id(data))
+    if subject is not None:
+        expected = SUBJECT_TO_TYPE.get(subject)
+        if expected is not None and expected != event.type:
+            rid = getattr(event, "request_id", None)
+            return InvalidEvent(
+                "invalid_request", f"type {event.type!r} cannot be sent to {subject!r}", rid
+            )
+    return event
+
+
+def _summarise(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False)[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        parts.append(f"{loc}: {err['msg']}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+def event_from_payload(payload: dict[str, Any]) -> Event:
+    """Rebuild an event from the JSON stored in the `events` table (replay)."""
+    return _ADAPTER.validate_python(payload)

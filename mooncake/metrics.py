@@ -1,0 +1,50 @@
+"""Every Prometheus metric the project exports, in one place (dashboards are checked
+against this registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+BUS_HANDLED = Counter(
+    "mc_bus_messages_total",
+    "Messages handled by a consumer, by outcome (ack, retry, dead_letter)",
+    ["consumer", "outcome"],
+)
+BUS_HANDLE_SECONDS = Histogram(
+    "mc_bus_handle_seconds",
+    "Time a consumer spent handling one batch",
+    ["consumer"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+BUS_PUBLISHED = Counter(
+    "mc_bus_published_total", "Events published to JetStream, by event type", ["type"]
+)
+BUS_PUBLISH_RETRIES = Counter(
+    "mc_bus_publish_retries_total", "Publishes retried after a timeout or disconnect", ["type"]
+)
+DEAD_LETTERS = Counter(
+    "mc_dead_letters_total",
+    "Messages dead-lettered, by consumer and reason",
+    ["consumer", "reason"],
+)
+RECORDER_EVENTS = Counter(
+    "mc_recorder_events_total",
+    "Events the recorder saw, by result (inserted, duplicate)",
+    ["result"],
+)
+RECORDER_ILLEGAL = Counter(
+    "mc_recorder_illegal_transitions_total",
+    "Lifecycle events that were recorded but not applied to the requests projection",
+)
+RECORDER_LAG_SECONDS = Gauge(
+    "mc_recorder_lag_seconds", "Age of the newest event in the last committed recorder batch"
+)
+RECORDER_BATCH_SECONDS = Histogram(
+    "mc_recorder_batch_seconds",
+    "Time to insert one batch and update projections in one transaction",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+REQUESTS_REJECTED = Counter(
+    "mc_requests_rejected_total", "Requests rejected, by stage and reason", ["stage", "reason"]
+)
+REQUESTS_ADMITTED = Counter("mc_requests_admitted_total", "Requests admitted", ["policy"])

@@ -1,0 +1,111 @@
+"""Bring up the whole system on one machine: what is missing of the infrastructure, the
+migrations, and one process per worker role. Used by `mooncake up`, `mooncake demo` and
+the end-to-end tests (which kill and restart the pieces)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mooncake.config import Settings
+from mooncake.db.engine import upgrade
+from mooncake.services import EmbeddedNats, EmbeddedPostgres, ManagedProcess, url_reachable
+
+log = logging.getLogger(__name__)
+
+# Roles that exist so far, in start order (later issues add store, prefill, decode, gateway).
+ROLES: tuple[str, ...] = ("recorder", "conductor")
+
+
+@dataclass
+class WorkerProcess(ManagedProcess):
+    role: str = ""
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    nats_url: str = ""
+    database_url: str = ""
+    nats: EmbeddedNats | None = None
+    postgres: EmbeddedPostgres | None = None
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+    def start_infrastructure(self) -> None:
+        data = self.settings.data_dir
+        data.mkdir(parents=True, exist_ok=True)
+        if url_reachable(self.settings.nats_url, 4222):
+            self.nats_url = self.settings.nats_url
+        else:
+            self.nats = EmbeddedNats.create(data).start()
+            self.nats_url = self.nats.url
+        if self.settings.database_url:
+            self.database_url = self.settings.database_url
+        else:
+            self.postgres = EmbeddedPostgres.create(data).start()
+            self.database_url = self.postgres.url
+        upgrade(self.database_url)
+        self.write_runtime_env()
+
+    def write_runtime_env(self) -> Path:
+        """Let `mooncake submit` in another terminal find what we started."""
+        path = self.settings.data_dir / "runtime.env"
+        path.write_text(
+            f"MOONCAKE_NATS_URL={self.nats_url}\nMOONCAKE_DATABASE_URL={self.database_url}\n"
+        )
+        return path
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["MOONCAKE_NATS_URL"] = self.nats_url
+        env["MOONCAKE_DATABASE_URL"] = self.database_url
+        return env
+
+    def start_worker(self, role: str, index: int = 0) -> WorkerProcess:
+        name = f"{role}-{index}"
+        argv = [sys.executable, "-m", "mooncake.cli", "worker", role, "--instance", name]
+        log_path = self.settings.data_dir / "logs" / f"{name}.log"
+        w = WorkerProcess(name, argv, log_path, 0, env=self.child_env(), role=role)
+        w.spawn()
+        self.workers.append(w)
+        return w
+
+    def start_workers(self, roles: tuple[str, ...] = ROLES) -> None:
+        for role in roles:
+            self.start_worker(role)
+
+    def restart(self, w: WorkerProcess) -> WorkerProcess:
+        self.workers.remove(w)
+        return self.start_worker(w.role, int(w.name.rsplit("-", 1)[1]))
+
+    def stop(self) -> None:
+        for w in reversed(self.workers):
+            w.stop(timeout=15)
+        self.workers.clear()
+        if self.postgres is not None:
+            self.postgres.stop()
+        if self.nats is not None:
+            self.nats.stop()
+
+    def status_rows(self) -> list[tuple[str, str, str]]:
+        rows = [
+            ("nats", self.nats_url, "embedded" if self.nats else "external"),
+            ("postgres", self.database_url, "embedded" if self.postgres else "external"),
+        ]
+        for w in self.workers:
+            state = "running" if w.running else f"exited {w.proc.returncode if w.proc else '?'}"
+            rows.append((w.name, f"pid {w.proc.pid if w.proc else '-'}", state))
+        return rows
+
+
+def wait_until(predicate: object, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(interval)
+    return False

@@ -1,0 +1,86 @@
+"""What every worker process does around its own loop: logging, tracing, metrics, signals,
+the NATS connection and stream setup, and registering the instance in the record."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from mooncake import events as ev
+from mooncake.bus.connection import connect, ensure_streams
+from mooncake.bus.publish import Publisher
+from mooncake.config import Settings
+from mooncake.telemetry import setup_tracing, start_metrics_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerContext:
+    settings: Settings
+    role: str
+    instance_id: str
+    nc: NATS
+    js: JetStreamContext
+    publisher: Publisher
+    ns: ev.Namespace
+    stop: asyncio.Event
+    metrics_port: int | None
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+
+
+def default_instance_id(role: str) -> str:
+    host = socket.gethostname().split(".")[0]
+    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in f"{role}-{host}")[:64]
+
+
+@contextlib.asynccontextmanager
+async def worker_context(
+    settings: Settings, role: str, instance_id: str | None = None
+) -> AsyncIterator[WorkerContext]:
+    setup_tracing(settings, role)
+    port = start_metrics_server(settings.metrics_port, settings.metrics_host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    instance = instance_id or default_instance_id(role)
+    nc = await connect(settings, f"{role}:{instance}")
+    js = nc.jetstream()
+    await ensure_streams(js, settings)
+    ns = ev.Namespace(settings.namespace)
+    publisher = Publisher(nc, js, ns)
+    ctx = WorkerContext(settings, role, instance, nc, js, publisher, ns, stop, port)
+    await publisher.publish(
+        ev.InstanceRegistered(
+            instance_id=instance,
+            role=role,  # type: ignore[arg-type]
+            host=socket.gethostname()[:255],
+            endpoint=f"metrics:{port}" if port else "",
+        )
+    )
+    log.info("%s %s up (metrics port %s)", role, instance, port)
+    try:
+        yield ctx
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                publisher.publish(ev.InstanceDeregistered(instance_id=instance)), 5
+            )
+        with contextlib.suppress(Exception):
+            await nc.drain()
+        log.info("%s %s stopped", role, instance)
