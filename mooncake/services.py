@@ -79,8 +79,8 @@ class ManagedProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C in a terminal goes to us; we stop it in order
-            user=self.user,
             env=self.env,
+            **_as_user(self.user),
         )
         log.close()
 
@@ -168,6 +168,17 @@ def _ensure_system_user(name: str) -> str | None:
     return name
 
 
+def _as_user(user: str | None) -> dict[str, object]:
+    """subprocess arguments that drop to `user` entirely: uid, gid and groups (`user=`
+    alone keeps root's groups, which group-only permissions then deny)."""
+    if user is None:
+        return {}
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
 def _chown_tree(path: Path, user: str) -> None:
     import pwd
 
@@ -230,7 +241,7 @@ class EmbeddedPostgres(ManagedProcess):
         _make_traversable(self.pgdata.parent)
         if self.user:
             _chown_tree(self.pgdata, self.user)
-        subprocess.run(
+        result = subprocess.run(
             [
                 str(postgres_bin_dir() / "initdb"),
                 "-D", str(self.pgdata),
@@ -239,11 +250,13 @@ class EmbeddedPostgres(ManagedProcess):
                 "--encoding=UTF8",
                 "--no-instructions",
             ],
-            check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            user=self.user,
+            cwd=self.pgdata,
+            **_as_user(self.user),
         )  # fmt: skip
+        if result.returncode != 0:
+            raise ServiceError(f"initdb failed: {result.stderr.decode(errors='replace')}")
 
     def start(self, timeout: float = 30.0) -> EmbeddedPostgres:
         self.init()

@@ -90,6 +90,8 @@ class Stack:
             self.postgres.stop()
         if self.nats is not None:
             self.nats.stop()
+        # What it pointed at is gone; a later `submit` must not chase it.
+        (self.settings.data_dir / "runtime.env").unlink(missing_ok=True)
 
     def status_rows(self) -> list[tuple[str, str, str]]:
         rows = [

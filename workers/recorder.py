@@ -61,10 +61,13 @@ def _transient(exc: BaseException) -> bool:
 
 
 class Recorder:
-    def __init__(self, engine: AsyncEngine, ns: ev.Namespace, stop: asyncio.Event) -> None:
+    def __init__(
+        self, engine: AsyncEngine, ns: ev.Namespace, stop: asyncio.Event, max_bytes: int
+    ) -> None:
         self._engine = engine
         self._ns = ns
         self._stop = stop
+        self._max_bytes = max_bytes
 
     async def _with_db_retry(
         self, deliveries: Sequence[Delivery], work: Callable[[], Awaitable[T]]
@@ -93,7 +96,7 @@ class Recorder:
         items: list[tuple[int, Incoming]] = []
         for idx, d in enumerate(batch):
             subject = self._ns.canonical(d.subject)
-            parsed = ev.parse_event(d.data, subject=subject)
+            parsed = ev.parse_event(d.data, subject=subject, max_bytes=self._max_bytes)
             if isinstance(parsed, ev.InvalidEvent):
                 outcomes[idx] = DeadLetter(parsed.reason, parsed.detail)
             else:
@@ -157,7 +160,7 @@ def _dead_letter_in(d: Delivery) -> DeadLetterIn:
 
 
 async def run(ctx: WorkerContext, engine: AsyncEngine) -> None:
-    recorder = Recorder(engine, ctx.ns, ctx.stop)
+    recorder = Recorder(engine, ctx.ns, ctx.stop, ctx.settings.bus.max_event_bytes)
     bus, batch = ctx.settings.bus, ctx.settings.recorder_batch
     consumers = [
         (PullConsumer(ctx.nc, ctx.js, spec, bus, ctx.ns, batch=batch), recorder.handle_events)

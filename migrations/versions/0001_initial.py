@@ -69,6 +69,7 @@ def upgrade() -> None:
     sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('down_reason', sa.String(length=200), nullable=True),
     sa.Column('last_event_id', sa.String(length=128), nullable=False),
+    sa.Column('folded_events', sa.Integer(), nullable=False),
     sa.Column('last_seq', sa.BigInteger(), nullable=False),
     sa.PrimaryKeyConstraint('instance_id', name=op.f('pk_instances'))
     )
@@ -81,6 +82,7 @@ def upgrade() -> None:
     sa.Column('stored_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('last_event_id', sa.String(length=128), nullable=False),
+    sa.Column('folded_events', sa.Integer(), nullable=False),
     sa.Column('last_seq', sa.BigInteger(), nullable=False),
     sa.PrimaryKeyConstraint('key', name=op.f('pk_kv_objects'))
     )
@@ -113,6 +115,7 @@ def upgrade() -> None:
     sa.Column('cancel_requested', sa.Boolean(), nullable=False),
     sa.Column('last_event_id', sa.String(length=128), nullable=True),
     sa.Column('illegal_events', sa.Integer(), nullable=False),
+    sa.Column('folded_events', sa.Integer(), nullable=False),
     sa.Column('last_seq', sa.BigInteger(), nullable=False),
     sa.PrimaryKeyConstraint('request_id', name=op.f('pk_requests'))
     )

@@ -100,6 +100,7 @@ class RequestRow(Base):
     last_event_id: Mapped[str | None] = mapped_column(String(128))
     # Lifecycle events of this request that were recorded but could not be applied.
     illegal_events: Mapped[int] = mapped_column(Integer)
+    folded_events: Mapped[int] = mapped_column(Integer)
     last_seq: Mapped[int] = mapped_column(BigInteger)
 
 
@@ -116,6 +117,9 @@ class KvObjectRow(Base):
     stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     last_event_id: Mapped[str] = mapped_column(String(128))
+    # How many of the entity's events this row folds, and the newest one's stream sequence:
+    # the recorder folds incrementally only when the log agrees with both.
+    folded_events: Mapped[int] = mapped_column(Integer)
     last_seq: Mapped[int] = mapped_column(BigInteger)
 
 
@@ -134,6 +138,9 @@ class InstanceRow(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     down_reason: Mapped[str | None] = mapped_column(String(200))
     last_event_id: Mapped[str] = mapped_column(String(128))
+    # How many of the entity's events this row folds, and the newest one's stream sequence:
+    # the recorder folds incrementally only when the log agrees with both.
+    folded_events: Mapped[int] = mapped_column(Integer)
     last_seq: Mapped[int] = mapped_column(BigInteger)
 
 

@@ -49,15 +49,20 @@ def key_of(entity: str) -> str:
 
 
 def fold(entity: str, row: Row | None, events: Iterable[SeqEvent]) -> Row | None:
+    """Fold events (in stream order) into a row; `folded_events` counts every event folded,
+    applied or not, so the recorder can tell whether a row has seen the whole log."""
+    items = list(events)
+    base = row["folded_events"] if row else 0
     if entity.startswith(REQ):
-        return _fold_request(row, events)
-    if entity.startswith(KV):
-        for seq, e in events:
-            row = _apply_kv(row, seq, e)
-        return row
-    for seq, e in events:
-        row = _apply_instance(row, seq, e)
-    return row
+        out = _fold_request(row, items)
+    else:
+        apply_one = _apply_kv if entity.startswith(KV) else _apply_instance
+        out = row
+        for seq, e in items:
+            out = apply_one(out, seq, e)
+    if out is not None:
+        out = {**out, "folded_events": base + len(items)}
+    return out
 
 
 # --- requests ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Table, select, text
+from sqlalchemy import Table, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -93,6 +93,7 @@ async def _update_projections(conn: AsyncConnection, new: list[Incoming]) -> int
     by_table: dict[str, list[str]] = defaultdict(list)
     for entity in by_entity:
         by_table[proj.table_of(entity)].append(entity)
+    logged = await _logged_counts(conn, list(by_entity))
     illegal = 0
     for table_name in sorted(by_table):  # a fixed lock order across transactions
         entities = sorted(by_table[table_name])
@@ -103,11 +104,11 @@ async def _update_projections(conn: AsyncConnection, new: list[Incoming]) -> int
             key = proj.key_of(entity)
             items = sorted(by_entity[entity], key=lambda se: se[0])
             old = existing.get(key)
-            if old is not None and items[0][0] <= old["last_seq"]:
-                # An older fact arrived late: fold this entity again, from the log.
-                new_row = proj.fold(entity, None, await load_entity_events(conn, entity))
-            else:
+            if _continues(old, items, logged[entity]):
                 new_row = proj.fold(entity, old, items)
+            else:
+                # A late or orphaned fact: fold this entity again, from the log, in order.
+                new_row = proj.fold(entity, None, await load_entity_events(conn, entity))
             if table_name == "requests":
                 before = old["illegal_events"] if old else 0
                 illegal += (new_row["illegal_events"] if new_row else len(items)) - before
@@ -118,6 +119,23 @@ async def _update_projections(conn: AsyncConnection, new: list[Incoming]) -> int
                 upserts.append(new_row)
         await _write(conn, table, upserts, deletes)
     return illegal
+
+
+def _continues(old: dict | None, items: list[proj.SeqEvent], logged: int) -> bool:  # type: ignore[type-arg]
+    """True when the new events simply extend what the row has folded: the log holds
+    exactly the row's events plus these, and all of these come after the row's last."""
+    if old is None:
+        return logged == len(items)
+    return logged == old["folded_events"] + len(items) and items[0][0] > old["last_seq"]
+
+
+async def _logged_counts(conn: AsyncConnection, entities: list[str]) -> dict[str, int]:
+    rows = await conn.execute(
+        select(EVENTS.c.entity, func.count())
+        .where(EVENTS.c.entity.in_(entities))
+        .group_by(EVENTS.c.entity)
+    )
+    return {entity: int(n) for entity, n in rows}
 
 
 async def _lock_rows(conn: AsyncConnection, table: Table, keys: list[str]) -> dict[str, dict]:  # type: ignore[type-arg]

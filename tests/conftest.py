@@ -1,0 +1,138 @@
+"""Shared fixtures: a real NATS and a real Postgres.
+
+Where this machine already runs them (127.0.0.1:4222, :5432) the tests use them, isolated
+by a unique namespace (subjects, streams) and a throwaway database; where none runs, they
+start their own on free ports from the project's embedded default. Tests that kill or
+restart servers always start their own (`own_nats`, `own_postgres`).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+import pytest_asyncio
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from mooncake.config import Settings
+from mooncake.db.engine import async_engine, upgrade
+from mooncake.services import EmbeddedNats, EmbeddedPostgres, tcp_reachable
+
+SHARED_NATS = ("127.0.0.1", 4222)
+SHARED_PG = ("127.0.0.1", 5432)
+
+
+@dataclass
+class Infra:
+    nats_url: str
+    database_url: str
+
+
+@pytest.fixture(scope="session")
+def infra_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("infra")
+
+
+@pytest.fixture(scope="session")
+def nats_url(infra_dir: Path) -> Iterator[str]:
+    if os.environ.get("MOONCAKE_TEST_OWN_SERVERS") != "1" and tcp_reachable(*SHARED_NATS):
+        yield "nats://%s:%d" % SHARED_NATS
+        return
+    server = EmbeddedNats.create(infra_dir).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def database_url(infra_dir: Path) -> Iterator[str]:
+    if os.environ.get("MOONCAKE_TEST_OWN_SERVERS") != "1" and tcp_reachable(*SHARED_PG):
+        name = f"mc_test_{uuid.uuid4().hex[:10]}"
+        admin = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+        upgrade(url)
+        try:
+            yield url
+        finally:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        return
+    server = EmbeddedPostgres.create(infra_dir).start()
+    try:
+        upgrade(server.url)
+        yield server.url
+    finally:
+        server.stop()
+
+
+def _truncate(url: str) -> None:
+    dsn = url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "TRUNCATE events, requests, kv_objects, instances, dead_letters RESTART IDENTITY"
+        )
+
+
+@pytest.fixture
+def namespace() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def settings(nats_url: str, database_url: str, namespace: str, tmp_path: Path) -> Settings:
+    _truncate(database_url)
+    return Settings(
+        nats_url=nats_url,
+        database_url=database_url,
+        namespace=namespace,
+        data_dir=tmp_path / "data",
+    )
+
+
+def worker_env(settings: Settings) -> dict[str, str]:
+    """Environment for a worker subprocess that runs against `settings`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    env.update(
+        MOONCAKE_NATS_URL=settings.nats_url,
+        MOONCAKE_DATABASE_URL=settings.database_url or "",
+        MOONCAKE_NAMESPACE=settings.namespace,
+        MOONCAKE_DATA_DIR=str(settings.data_dir),
+    )
+    return env
+
+
+@pytest_asyncio.fixture
+async def engine(settings: Settings) -> AsyncIterator[AsyncEngine]:
+    assert settings.database_url
+    eng = async_engine(settings.database_url)
+    try:
+        yield eng
+    finally:
+        await eng.dispose()
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats.create(tmp_path / "own-nats").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_postgres(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
+    server = EmbeddedPostgres.create(tmp_path / "own-pg").start()
+    try:
+        upgrade(server.url)
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,82 @@
+"""Helpers shared by the integration and end-to-end tests."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from conftest import worker_env
+from mooncake.config import Settings
+
+
+class Worker:
+    """A real worker process (`mooncake worker ROLE`), killable like in production."""
+
+    def __init__(self, role: str, settings: Settings, log_dir: Path, name: str = "") -> None:
+        self.role = role
+        self.settings = settings
+        self.name = name or f"{role}-0"
+        self.log_path = log_dir / f"{self.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Worker:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "mooncake.cli",
+                    "worker",
+                    self.role,
+                    "--instance",
+                    self.name,
+                ],
+                env=worker_env(self.settings),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 20) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+async def wait_for(
+    predicate: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.2
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def scalar(engine: AsyncEngine, sql: str, **params: object) -> object:
+    async with engine.connect() as conn:
+        return (await conn.execute(text(sql), params)).scalar_one()

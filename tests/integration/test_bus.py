@@ -1,0 +1,88 @@
+"""The bus layer against a real JetStream: dedupe, ack, retry with backoff, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import nats
+import pytest
+
+from mooncake import events as ev
+from mooncake.bus.connection import ensure_streams
+from mooncake.bus.consume import (
+    ACK,
+    ConsumerSpec,
+    Delivery,
+    Outcome,
+    PullConsumer,
+    Retry,
+    per_message,
+)
+from mooncake.bus.publish import Publisher
+from mooncake.config import BusSettings, Settings
+
+pytestmark = pytest.mark.integration
+
+
+async def test_publish_is_deduplicated_by_event_id(settings: Settings) -> None:
+    ns = ev.Namespace(settings.namespace)
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, settings)
+        e = ev.RequestSubmitted(request_id="dup", prompt="once")
+        first = await Publisher(nc, js, ns).publish(e)
+        second = await Publisher(nc, js, ns).publish(e)
+        assert second.duplicate and second.seq == first.seq
+        info = await js.stream_info(ns.stream("MC_REQ"))
+        assert info.state.messages == 1
+    finally:
+        await nc.close()
+
+
+async def test_retry_then_dead_letter_and_good_messages_flow(settings: Settings) -> None:
+    ns = ev.Namespace(settings.namespace)
+    bus = BusSettings(max_deliver=3, nak_base_delay_s=0.01, nak_max_delay_s=0.05)
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js, settings)
+    seen: Counter[str] = Counter()
+    done = asyncio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        e = ev.parse_event(d.data)
+        assert isinstance(e, ev.RequestSubmitted)
+        seen[e.request_id] += 1
+        if e.request_id == "poison":
+            raise RuntimeError("cannot handle this one")
+        if e.request_id == "flaky" and d.num_delivered < 2:
+            return Retry("try again")
+        if e.request_id == "last":
+            done.set()
+        return ACK
+
+    stop = asyncio.Event()
+    consumer = PullConsumer(nc, js, ConsumerSpec("MC_REQ", "t", "mc.req.submitted"), bus, ns)
+    task = asyncio.create_task(consumer.run(per_message(handler, "t"), stop))
+    try:
+        pub = Publisher(nc, js, ns)
+        for rid in ("poison", "flaky", "ok", "last"):
+            await pub.publish(ev.RequestSubmitted(request_id=rid, prompt="x"))
+        await asyncio.wait_for(done.wait(), 20)
+        dlq = await js.pull_subscribe(
+            ns.dead_letter_subject("t"), durable="check", stream=ns.stream("MC_DLQ")
+        )
+        msgs = await dlq.fetch(1, timeout=20)
+        assert msgs[0].headers["Mc-Dlq-Reason"] == "max_deliver"
+        assert msgs[0].headers["Mc-Dlq-Consumer"] == "t"
+        assert b'"poison"' in msgs[0].data
+        info = await js.consumer_info(ns.stream("MC_REQ"), "t")
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        stop.set()
+        await task
+        await nc.close()
+    assert seen["poison"] == bus.max_deliver  # tried exactly max_deliver times
+    assert seen["flaky"] == 2
+    assert seen["ok"] == 1
