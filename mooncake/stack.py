@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 from mooncake.config import Settings
 from mooncake.db.engine import upgrade
@@ -41,7 +42,8 @@ class Stack:
         if url_reachable(self.settings.nats_url, 4222):
             self.nats_url = self.settings.nats_url
         else:
-            self.nats = EmbeddedNats.create(data).start()
+            # Nothing there: serve the configured address ourselves when it is local.
+            self.nats = EmbeddedNats.create(data, port=_local_port(self.settings.nats_url)).start()
             self.nats_url = self.nats.url
         if self.settings.database_url:
             self.database_url = self.settings.database_url
@@ -102,6 +104,13 @@ class Stack:
             state = "running" if w.running else f"exited {w.proc.returncode if w.proc else '?'}"
             rows.append((w.name, f"pid {w.proc.pid if w.proc else '-'}", state))
         return rows
+
+
+def _local_port(url: str) -> int | None:
+    parsed = urlparse(url)
+    if parsed.hostname in ("127.0.0.1", "localhost") and parsed.port:
+        return parsed.port
+    return None
 
 
 def wait_until(predicate: object, timeout: float, interval: float = 0.1) -> bool:

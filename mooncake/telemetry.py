@@ -29,7 +29,16 @@ def setup_tracing(
 
     `exporter` (tests) is attached with a simple, synchronous processor so spans are
     visible as soon as they end; the OTLP exporter is batched.
+
+    OpenTelemetry installs the global provider once per process and ignores (with only a
+    warning) any later one, so a second call (tests, in-process workers) attaches its
+    exporter to the provider already in use and returns that one.
     """
+    current = trace.get_tracer_provider()
+    if isinstance(current, TracerProvider):
+        if exporter is not None:
+            current.add_span_processor(SimpleSpanProcessor(exporter))
+        return current
     resource = Resource.create(
         {"service.name": f"{settings.service_name}-{role}", "mooncake.role": role}
     )

@@ -7,6 +7,7 @@ from collections import Counter
 
 import nats
 import pytest
+from helpers import wait_for
 
 from mooncake import events as ev
 from mooncake.bus.connection import ensure_streams
@@ -77,8 +78,12 @@ async def test_retry_then_dead_letter_and_good_messages_flow(settings: Settings)
         assert msgs[0].headers["Mc-Dlq-Reason"] == "max_deliver"
         assert msgs[0].headers["Mc-Dlq-Consumer"] == "t"
         assert b'"poison"' in msgs[0].data
-        info = await js.consumer_info(ns.stream("MC_REQ"), "t")
-        assert info.num_ack_pending == 0 and info.num_pending == 0
+
+        async def settled() -> bool:  # term/ack are fire-and-forget: give them a moment
+            info = await js.consumer_info(ns.stream("MC_REQ"), "t")
+            return info.num_ack_pending == 0 and info.num_pending == 0
+
+        await wait_for(settled, 10, "every message acked or terminated")
     finally:
         stop.set()
         await task
