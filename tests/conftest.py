@@ -41,7 +41,7 @@ def infra_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def nats_url(infra_dir: Path) -> Iterator[str]:
     if os.environ.get("MOONCAKE_TEST_OWN_SERVERS") != "1" and tcp_reachable(*SHARED_NATS):
-        yield "nats://%s:%d" % SHARED_NATS
+        yield "nats://{}:{}".format(*SHARED_NATS)
         return
     server = EmbeddedNats.create(infra_dir).start()
     try:

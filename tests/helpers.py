@@ -13,8 +13,9 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from conftest import worker_env
 from mooncake.config import Settings
+
+from conftest import worker_env
 
 
 class Worker:
@@ -67,14 +68,14 @@ class Worker:
 
 
 async def wait_for(
-    predicate: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.2
+    predicate: Callable[[], Awaitable[bool]], within_s: float, what: str, interval: float = 0.2
 ) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if await predicate():
             return
         await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {within_s}s waiting for {what}")
 
 
 async def scalar(engine: AsyncEngine, sql: str, **params: object) -> object:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import nats
 import pytest
-from helpers import Worker, scalar, wait_for
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -18,6 +17,8 @@ from mooncake.bus.connection import ensure_streams
 from mooncake.bus.publish import Publisher
 from mooncake.config import Settings
 from mooncake.services import EmbeddedNats
+
+from helpers import Worker, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,6 @@ from collections import Counter
 
 import nats
 import pytest
-from helpers import wait_for
 
 from mooncake import events as ev
 from mooncake.bus.connection import ensure_streams
@@ -22,6 +21,8 @@ from mooncake.bus.consume import (
 )
 from mooncake.bus.publish import Publisher
 from mooncake.config import BusSettings, Settings
+
+from helpers import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import nats
 import pytest
-from helpers import Worker, scalar, wait_for
 
 from mooncake import events as ev
 from mooncake.bus.connection import ensure_streams
@@ -17,6 +16,8 @@ from mooncake.config import Settings
 from mooncake.db.engine import async_engine
 from mooncake.db.rebuild import verify
 from mooncake.services import EmbeddedPostgres
+
+from helpers import Worker, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 

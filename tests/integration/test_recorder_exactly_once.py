@@ -8,7 +8,6 @@ from pathlib import Path
 
 import nats
 import pytest
-from helpers import Worker, scalar, wait_for
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from mooncake import events as ev
@@ -16,6 +15,8 @@ from mooncake.bus.connection import ensure_streams
 from mooncake.bus.publish import MSG_ID, Publisher
 from mooncake.config import Settings
 from mooncake.db.rebuild import verify
+
+from helpers import Worker, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 N = 10_000

@@ -66,10 +66,8 @@ def test_illegal_transitions_are_reported_and_not_applied() -> None:
 def test_nothing_leaves_a_terminal_state() -> None:
     events = happy_path()
     done, _ = fold(events)
-    for e in events + [
-        ev.RequestCancelled(request_id="r"),
-        ev.RequestFailed(request_id="r", reason="x"),
-    ]:
+    late = [ev.RequestCancelled(request_id="r"), ev.RequestFailed(request_id="r", reason="x")]
+    for e in [*events, *late]:
         t = apply(done, e)
         assert t.error is not None and t.state is done
 
