@@ -43,8 +43,9 @@ class BusSettings(BaseModel):
     dedupe_window_s: Annotated[float, Field(gt=0)] = 120.0
     # Deliveries before a message that keeps failing is dead-lettered.
     max_deliver: Annotated[int, Field(ge=1)] = 5
-    # A consumer must ack (or send in_progress) within this time or the message is redelivered.
-    ack_wait_s: Annotated[float, Field(gt=0)] = 30.0
+    # A consumer must ack (or send in_progress, see bus.consume.keep_alive) within this time
+    # or the message is redelivered: also how long a crashed worker's messages wait.
+    ack_wait_s: Annotated[float, Field(gt=0)] = 10.0
     # Backoff for nak-with-delay: delay = min(base * 2**(attempt-1), max).
     nak_base_delay_s: Annotated[float, Field(ge=0)] = 0.2
     nak_max_delay_s: Annotated[float, Field(ge=0)] = 10.0
@@ -82,6 +83,8 @@ class Settings(BaseSettings):
 
     # OpenTelemetry: spans are created always, exported only when an endpoint is set.
     otlp_endpoint: str | None = None
+    # Share of new traces recorded when there is somewhere to export them (else none are).
+    trace_sample_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     service_name: str = "mooncake"
     # Prometheus /metrics per worker process: 0 picks a free port, -1 disables it.
     metrics_port: int = -1

@@ -13,6 +13,7 @@ import json
 import time
 
 import nats
+from nats.aio.client import Client as NATS
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
@@ -77,7 +78,7 @@ async def _flow(stack: Stack, console: Console, n: int, ns: ev.Namespace) -> boo
         await nc.close()
 
 
-async def _submit_bad(nc: nats.NATS, ns: ev.Namespace, request_id: str):  # type: ignore[no-untyped-def]
+async def _submit_bad(nc: NATS, ns: ev.Namespace, request_id: str):  # type: ignore[no-untyped-def]
     """A request with a negative max_tokens: rejected at ingress with a reason."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -105,7 +106,7 @@ async def _submit_bad(nc: nats.NATS, ns: ev.Namespace, request_id: str):  # type
         await rejected_sub.unsubscribe()
 
 
-async def _burst(nc: nats.NATS, ns: ev.Namespace, n: int, console: Console) -> list[str]:
+async def _burst(nc: NATS, ns: ev.Namespace, n: int, console: Console) -> list[str]:
     publisher = Publisher(nc, nc.jetstream(), ns)
     batch = [
         ev.RequestSubmitted(request_id=new_request_id(), token_ids=[1, 2, 3, i % 1000])

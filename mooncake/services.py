@@ -72,7 +72,8 @@ class ManagedProcess:
 
     def spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
+        who = _run_as(self.user)
+        log = open(self.log_path, "ab")  # the child owns it for its life
         self.proc = subprocess.Popen(
             self.argv,
             stdout=log,
@@ -80,7 +81,9 @@ class ManagedProcess:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C in a terminal goes to us; we stop it in order
             env=self.env,
-            **_as_user(self.user),
+            user=who.user,
+            group=who.group,
+            extra_groups=who.extra_groups,
         )
         log.close()
 
@@ -168,15 +171,23 @@ def _ensure_system_user(name: str) -> str | None:
     return name
 
 
-def _as_user(user: str | None) -> dict[str, object]:
-    """subprocess arguments that drop to `user` entirely: uid, gid and groups (`user=`
-    alone keeps root's groups, which group-only permissions then deny)."""
+@dataclass(frozen=True, slots=True)
+class RunAs:
+    """Who a child process runs as: uid, gid and supplementary groups all dropped (`user=`
+    alone keeps root's groups, which group-only permissions then deny). All None: us."""
+
+    user: int | None = None
+    group: int | None = None
+    extra_groups: list[int] | None = None
+
+
+def _run_as(user: str | None) -> RunAs:
     if user is None:
-        return {}
+        return RunAs()
     import pwd
 
     entry = pwd.getpwnam(user)
-    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+    return RunAs(entry.pw_uid, entry.pw_gid, [])
 
 
 def _chown_tree(path: Path, user: str) -> None:
@@ -237,6 +248,7 @@ class EmbeddedPostgres(ManagedProcess):
     def init(self) -> None:
         if (self.pgdata / "PG_VERSION").exists():
             return
+        who = _run_as(self.user)
         self.pgdata.mkdir(parents=True, exist_ok=True)
         _make_traversable(self.pgdata.parent)
         if self.user:
@@ -253,7 +265,9 @@ class EmbeddedPostgres(ManagedProcess):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             cwd=self.pgdata,
-            **_as_user(self.user),
+            user=who.user,
+            group=who.group,
+            extra_groups=who.extra_groups,
         )  # fmt: skip
         if result.returncode != 0:
             raise ServiceError(f"initdb failed: {result.stderr.decode(errors='replace')}")

@@ -1,8 +1,11 @@
 """Tracing and metrics setup, and trace-context propagation through NATS headers.
 
-Spans are always created (cheap, and tests read them from an in-memory exporter); they are
-exported over OTLP/HTTP only when `Settings.otlp_endpoint` is set. Each worker process
-serves Prometheus `/metrics` on `Settings.metrics_port` (0 = a free port, -1 = off).
+Every hop opens a span and propagates its context, always. Whether spans are *recorded*
+is sampling: with somewhere to send them (OTLP endpoint, or a test's exporter) every trace
+is sampled (or `Settings.trace_sample_ratio` of them); with nowhere, none are, so an
+untraced deployment does not pay for building spans it would throw away. A sampled parent
+(a traced client) makes its children sampled too (parent-based sampling). Each worker
+process serves Prometheus `/metrics` on `Settings.metrics_port` (0 = free port, -1 = off).
 """
 
 from __future__ import annotations
@@ -15,11 +18,38 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 
 from mooncake.config import Settings
 
 log = logging.getLogger(__name__)
 TRACER_NAME = "mooncake"
+
+
+class _RootSampler(Sampler):
+    """Samples new traces at `ratio` once there is somewhere to export them, else none."""
+
+    def __init__(self, ratio: float, enabled: bool) -> None:
+        self.ratio = ratio
+        self.enabled = enabled
+        self._on = TraceIdRatioBased(ratio)
+
+    def should_sample(self, *args: object, **kwargs: object) -> SamplingResult:
+        target = self._on if self.enabled else ALWAYS_OFF
+        return target.should_sample(*args, **kwargs)  # type: ignore[arg-type]
+
+    def get_description(self) -> str:
+        return f"MooncakeRoot(ratio={self.ratio}, enabled={self.enabled})"
+
+
+# The root sampler of the provider this module installed (one per process).
+_installed_root: _RootSampler | None = None
 
 
 def setup_tracing(
@@ -34,15 +64,20 @@ def setup_tracing(
     warning) any later one, so a second call (tests, in-process workers) attaches its
     exporter to the provider already in use and returns that one.
     """
+    global _installed_root
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         if exporter is not None:
             current.add_span_processor(SimpleSpanProcessor(exporter))
+            if _installed_root is not None:
+                _installed_root.enabled = True
         return current
     resource = Resource.create(
         {"service.name": f"{settings.service_name}-{role}", "mooncake.role": role}
     )
-    provider = TracerProvider(resource=resource)
+    exporting = exporter is not None or bool(settings.otlp_endpoint)
+    _installed_root = _RootSampler(settings.trace_sample_ratio, exporting)
+    provider = TracerProvider(resource=resource, sampler=ParentBased(_installed_root))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     if settings.otlp_endpoint:

@@ -68,7 +68,7 @@ async def worker_context(
     await publisher.publish(
         ev.InstanceRegistered(
             instance_id=instance,
-            role=role,  # type: ignore[arg-type]
+            role=role,
             host=socket.gethostname()[:255],
             endpoint=f"metrics:{port}" if port else "",
         )

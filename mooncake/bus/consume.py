@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,10 +32,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry.trace import SpanKind
 
 from mooncake import metrics
-from mooncake.bus.publish import MSG_ID, Publisher
+from mooncake.bus.publish import MSG_ID, Publisher, bus_tracer
 from mooncake.config import BusSettings
 from mooncake.events import Namespace
-from mooncake.telemetry import extract_context, tracer
+from mooncake.telemetry import extract_context
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +128,16 @@ def per_message(handler: Handler, name: str) -> BatchHandler:
     async def handle(batch: list[Delivery]) -> list[Outcome]:
         outcomes: list[Outcome] = []
         for d in batch:
-            ctx = extract_context(d.headers)
-            with tracer().start_as_current_span(
-                f"{name} {d.subject}", context=ctx, kind=SpanKind.CONSUMER
+            headers = d.headers
+            with bus_tracer().start_as_current_span(
+                f"{name} {d.subject}",
+                context=extract_context(headers),
+                kind=SpanKind.CONSUMER,
+                attributes={
+                    "messaging.message.id": headers.get(MSG_ID, ""),
+                    "mc.num_delivered": d.num_delivered,
+                },
             ) as span:
-                span.set_attribute("messaging.message.id", d.headers.get(MSG_ID, ""))
-                span.set_attribute("mc.num_delivered", d.num_delivered)
                 try:
                     outcomes.append(await handler(d))
                 except Exception as exc:  # any failure is a retry, never a dead consumer
@@ -165,12 +170,19 @@ class PullConsumer:
         self._bus = bus
         self._batch = batch or bus.fetch_batch
         self._expires_s = expires_s
-        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        # Deliveries from the inbox subscription, and the run loop's wait for the next one.
+        self._queue: deque[Msg] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._outstanding = 0
         self._last_request = 0.0
         self._inbox = ""
         self._sub: object | None = None
         self._publisher = Publisher(nc, js, ns)
+        name = self.spec.durable
+        self._handle_seconds = metrics.BUS_HANDLE_SECONDS.labels(name)
+        self._acked = metrics.BUS_HANDLED.labels(name, "ack")
+        self._retried = metrics.BUS_HANDLED.labels(name, "retry")
 
     async def ensure(self) -> None:
         """Create the durable consumer if needed (idempotent)."""
@@ -188,9 +200,13 @@ class PullConsumer:
         await self._js.add_consumer(self.spec.stream, config)
 
     async def _on_msg(self, msg: Msg) -> None:
-        self._queue.put_nowait(msg)
+        self._queue.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await self.ensure()
         self._inbox = self._nc.new_inbox()
         self._sub = await self._nc.subscribe(
@@ -239,14 +255,18 @@ class PullConsumer:
         return deliveries
 
     async def _next_batch(self) -> list[Msg]:
-        try:
-            first = await asyncio.wait_for(self._queue.get(), timeout=1.0)
-        except TimeoutError:
-            return []
-        msgs = [first]
-        while len(msgs) < self._batch and not self._queue.empty():
-            msgs.append(self._queue.get_nowait())
-        return msgs
+        """What has arrived, up to a batch; waits up to a second for the first message."""
+        if not self._queue:
+            loop = self._loop or asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(1.0, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        queue = self._queue
+        return [queue.popleft() for _ in range(min(len(queue), self._batch))]
 
     async def run(self, handler: BatchHandler, stop: asyncio.Event) -> None:
         await self.start()
@@ -275,7 +295,7 @@ class PullConsumer:
         except Exception as exc:
             log.exception("%s: batch handler failed", name)
             outcomes = [Retry(f"{type(exc).__name__}: {exc}"[:500])] * len(live)
-        metrics.BUS_HANDLE_SECONDS.labels(name).observe(time.perf_counter() - started)
+        self._handle_seconds.observe(time.perf_counter() - started)
         if len(outcomes) != len(live):
             log.error("%s: handler returned %d outcomes for %d", name, len(outcomes), len(live))
             outcomes = [Retry("handler outcome count mismatch")] * len(live)
@@ -283,15 +303,14 @@ class PullConsumer:
             await self._settle(d, outcome)
 
     async def _settle(self, d: Delivery, outcome: Outcome) -> None:
-        name = self.spec.durable
         match outcome:
             case Ack():
                 await d.msg.ack()
-                metrics.BUS_HANDLED.labels(name, "ack").inc()
+                self._acked.inc()
             case Retry(delay_s=delay):
                 wait = delay if delay is not None else backoff_delay(d.num_delivered, self._bus)
                 await d.msg.nak(delay=wait)
-                metrics.BUS_HANDLED.labels(name, "retry").inc()
+                self._retried.inc()
             case DeadLetter():
                 await self._dead_letter(d, outcome)
 
@@ -319,6 +338,11 @@ class PullConsumer:
         await d.msg.term()
         metrics.BUS_HANDLED.labels(name, "dead_letter").inc()
         metrics.DEAD_LETTERS.labels(name, dl.reason).inc()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _header_safe(text: str, limit: int = 1000) -> str:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from tenacity import (
     AsyncRetrying,
@@ -25,7 +28,7 @@ from tenacity import (
 
 from mooncake import metrics
 from mooncake.events import Event, Namespace
-from mooncake.telemetry import inject_headers, tracer
+from mooncake.telemetry import TRACER_NAME, inject_headers
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,17 @@ TRANSIENT = (
     nats.js.errors.NoStreamResponseError,
     asyncio.TimeoutError,
 )
+
+_tracer_for: tuple[trace.TracerProvider, trace.Tracer] | None = None
+
+
+def bus_tracer() -> trace.Tracer:
+    """`telemetry.tracer()`, made once per tracer provider rather than on every message."""
+    global _tracer_for
+    provider = trace.get_tracer_provider()
+    if _tracer_for is None or _tracer_for[0] is not provider:
+        _tracer_for = (provider, trace.get_tracer(TRACER_NAME))
+    return _tracer_for[1]
 
 
 class Publisher:
@@ -58,6 +72,7 @@ class Publisher:
         self.ns = ns
         self._timeout_s = timeout_s
         self._give_up_s = give_up_s
+        self._published: dict[str, Any] = {}  # metric children by event type
 
     @staticmethod
     def _prepare(event: Event) -> tuple[Event, dict[str, str]]:
@@ -69,15 +84,23 @@ class Publisher:
         return event, headers
 
     async def publish(self, event: Event) -> PubAck:
-        with tracer().start_as_current_span(f"publish {event.type}", kind=SpanKind.PRODUCER) as sp:
-            sp.set_attribute("mc.event_id", event.event_id)
-            if rid := getattr(event, "request_id", None):
-                sp.set_attribute("mc.request_id", rid)
+        attributes = {"mc.event_id": event.event_id}
+        if rid := getattr(event, "request_id", None):
+            attributes["mc.request_id"] = rid
+        with bus_tracer().start_as_current_span(
+            f"publish {event.type}", kind=SpanKind.PRODUCER, attributes=attributes
+        ):
             event, headers = self._prepare(event)
             payload = event.to_json()
             ack = await self._publish_with_retry(self.ns.of(event), payload, headers, event.type)
-        metrics.BUS_PUBLISHED.labels(event.type).inc()
+        self._count(event.type)
         return ack
+
+    def _count(self, type_: str) -> None:
+        child = self._published.get(type_)
+        if child is None:
+            child = self._published[type_] = metrics.BUS_PUBLISHED.labels(type_)
+        child.inc()
 
     async def publish_raw(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
         """Publish bytes that are not an event of ours (dead letters, test corpora)."""
@@ -86,19 +109,40 @@ class Publisher:
     async def _publish_with_retry(
         self, subject: str, payload: bytes, headers: dict[str, str], type_: str
     ) -> PubAck:
+        started = time.monotonic()
+        try:  # the first attempt, without building a retry loop for it
+            return await self._js.publish(
+                subject, payload, timeout=self._timeout_s, headers=headers
+            )
+        except TRANSIENT as exc:
+            log.debug("publish to %s failed (%s); retrying", subject, exc)
+        # Retries keep the backoff a single loop over every attempt would have: 0.05 s
+        # before the second attempt, doubling up to 2 s, within give_up_s of the first.
+        await asyncio.sleep(0.05)
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(TRANSIENT),
-            wait=wait_exponential(multiplier=0.05, max=2.0),
-            stop=stop_after_delay(self._give_up_s),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            stop=stop_after_delay(max(self._give_up_s - (time.monotonic() - started), 0.0)),
             reraise=True,
         ):
             with attempt:
-                if attempt.retry_state.attempt_number > 1:
-                    metrics.BUS_PUBLISH_RETRIES.labels(type_).inc()
+                metrics.BUS_PUBLISH_RETRIES.labels(type_).inc()
                 return await self._js.publish(
                     subject, payload, timeout=self._timeout_s, headers=headers
                 )
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _stall_limit(self) -> float | None:
+        """How long `publish_async` may wait for a free slot: no limit when one is free.
+
+        With a limit nats-py runs every acquire as a separate task with a timer, and yields
+        to the event loop between publishes (one socket write per event); without one, a
+        free slot is taken synchronously and the batch leaves in a few writes.
+        """
+        slots = getattr(self._js, "_publish_async_pending_semaphore", None)
+        if isinstance(slots, asyncio.Semaphore) and not slots.locked():
+            return None
+        return self._give_up_s
 
     async def publish_many(self, events: Sequence[Event]) -> list[PubAck]:
         """Pipelined publish of many events (each still deduplicated by its id).
@@ -112,14 +156,16 @@ class Publisher:
             event, headers = self._prepare(event)
             prepared.append((event, headers))
             fut = await self._js.publish_async(
-                self.ns.of(event), event.to_json(), wait_stall=self._give_up_s, headers=headers
+                self.ns.of(event), event.to_json(), wait_stall=self._stall_limit(), headers=headers
             )
             futures.append(fut)
-        results = await asyncio.gather(
-            *(asyncio.wait_for(f, self._timeout_s) for f in futures), return_exceptions=True
-        )
+        if futures:
+            _, late = await asyncio.wait(futures, timeout=self._timeout_s)
+            for fut in late:
+                fut.cancel()
         acks: list[PubAck] = []
-        for (event, headers), result in zip(prepared, results, strict=True):
+        for (event, headers), fut in zip(prepared, futures, strict=True):
+            result = None if fut.cancelled() else fut.exception() or fut.result()
             if isinstance(result, PubAck):
                 acks.append(result)
             else:
@@ -129,5 +175,5 @@ class Publisher:
                         self.ns.of(event), event.to_json(), headers, event.type
                     )
                 )
-            metrics.BUS_PUBLISHED.labels(event.type).inc()
+            self._count(event.type)
         return acks

@@ -8,7 +8,7 @@ Rows are plain dicts with exactly the columns of the projection tables.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, fields
+from dataclasses import fields
 from typing import Any
 
 from mooncake import events as ev
@@ -83,7 +83,8 @@ def _fold_request(row: Row | None, events: Iterable[SeqEvent]) -> Row | None:
         # Only illegal events so far (e.g. a late event for a request never submitted):
         # keep no row; the events table still holds the facts.
         return None
-    out = asdict(state)
+    # Shallow (asdict deep-copies every value); the state's fields are all immutable scalars.
+    out = {name: getattr(state, name) for name in _STATE_FIELDS}
     out["status"] = state.status.value
     out["illegal_events"] = illegal
     out["last_seq"] = last_seq

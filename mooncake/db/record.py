@@ -8,12 +8,17 @@ changes nothing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Table, func, select, text
+from sqlalchemy import Column, String, Table, any_, bindparam, func, select, text
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -48,6 +53,54 @@ class RecordResult:
     illegal: int
 
 
+# Multi-row statements send one array per column, in binary (no per-element quoting), and
+# `unnest` them on the server: the SQL text stays small and constant (the driver and the
+# server parse and plan it once) however many rows a batch has. Strings travel as text[],
+# so the column's own length check applies on insert.
+_PG = postgresql.dialect()  # type: ignore[no-untyped-call]
+EVENT_COLUMNS = (
+    "event_id", "type", "entity", "request_id", "stream", "stream_seq", "subject",
+    "occurred_at", "schema_version", "traceparent", "payload",
+)  # fmt: skip
+
+
+def _array_type(col: Column[Any]) -> str:
+    if isinstance(col.type, String):
+        return "text[]"
+    return f"{col.type.compile(dialect=_PG)}[]"
+
+
+@functools.cache
+def _unnest_insert(table_name: str, columns: tuple[str, ...], tail: str) -> str:
+    """Driver-level SQL (psycopg `%(name)b` binary parameters, one array per column)."""
+    table = EVENTS if table_name == EVENTS.name else TABLES[table_name]
+    arrays = ", ".join(f"CAST(%({c})b AS {_array_type(table.c[c])})" for c in columns)
+    names = ", ".join(f'"{c}"' for c in columns)
+    return (
+        f"INSERT INTO {table_name} ({names}) "
+        f"SELECT {names} FROM unnest({arrays}) WITH ORDINALITY AS t({names}, n) "
+        f"ORDER BY n {tail}"
+    )
+
+
+def _columns_of(
+    rows: Sequence[dict[str, Any]],
+    table: Table,
+    columns: Sequence[str],
+    json_text: frozenset[str] = frozenset(),
+) -> dict[str, list[Any]]:
+    """Rows -> one list per column. JSONB values are serialised here (None becomes JSON
+    null, as SQLAlchemy's JSONB type does), except the columns in `json_text`, which hold
+    JSON text already."""
+    out: dict[str, list[Any]] = {}
+    for c in columns:
+        values = [r[c] for r in rows]
+        if isinstance(table.c[c].type, JSONB) and c not in json_text:
+            values = [json.dumps(v) for v in values]
+        out[c] = values
+    return out
+
+
 def _event_row(i: Incoming) -> dict[str, object]:
     e = i.event
     return {
@@ -61,8 +114,14 @@ def _event_row(i: Incoming) -> dict[str, object]:
         "occurred_at": e.occurred_at,
         "schema_version": e.schema_version,
         "traceparent": e.traceparent,
-        "payload": e.model_dump(mode="json", exclude_none=True),
+        # The JSON text of model_dump(mode="json", exclude_none=True), serialised once.
+        "payload": e.model_dump_json(exclude_none=True),
     }
+
+
+def _any(column: Column[Any], values: list[str]) -> Any:
+    """`column = ANY(:array)`: one parameter, not one per value."""
+    return column == any_(bindparam(None, values, type_=ARRAY(String), expanding=False))
 
 
 async def record_events(conn: AsyncConnection, batch: Sequence[Incoming]) -> RecordResult:
@@ -75,11 +134,12 @@ async def record_events(conn: AsyncConnection, batch: Sequence[Incoming]) -> Rec
         unique.setdefault(item.event.event_id, item)
     if not unique:
         return RecordResult(0, len(batch), 0)
-    stmt = pg_insert(EVENTS).on_conflict_do_nothing(index_elements=["event_id"])
-    result = await conn.execute(
-        stmt.returning(EVENTS.c.event_id, sort_by_parameter_order=True),
-        [_event_row(i) for i in unique.values()],
+    stmt = _unnest_insert(
+        EVENTS.name, EVENT_COLUMNS, "ON CONFLICT (event_id) DO NOTHING RETURNING event_id"
     )
+    rows = [_event_row(i) for i in unique.values()]
+    params = _columns_of(rows, EVENTS, EVENT_COLUMNS, json_text=frozenset({"payload"}))
+    result = await conn.exec_driver_sql(stmt, params)
     inserted_ids = set(result.scalars())
     new = [i for i in unique.values() if i.event.event_id in inserted_ids]
     illegal = await _update_projections(conn, new)
@@ -126,13 +186,13 @@ def _continues(old: dict | None, items: list[proj.SeqEvent], logged: int) -> boo
     exactly the row's events plus these, and all of these come after the row's last."""
     if old is None:
         return logged == len(items)
-    return logged == old["folded_events"] + len(items) and items[0][0] > old["last_seq"]
+    return bool(logged == old["folded_events"] + len(items) and items[0][0] > old["last_seq"])
 
 
 async def _logged_counts(conn: AsyncConnection, entities: list[str]) -> dict[str, int]:
     rows = await conn.execute(
         select(EVENTS.c.entity, func.count())
-        .where(EVENTS.c.entity.in_(entities))
+        .where(_any(EVENTS.c.entity, entities))
         .group_by(EVENTS.c.entity)
     )
     return {entity: int(n) for entity, n in rows}
@@ -140,7 +200,7 @@ async def _logged_counts(conn: AsyncConnection, entities: list[str]) -> dict[str
 
 async def _lock_rows(conn: AsyncConnection, table: Table, keys: list[str]) -> dict[str, dict]:  # type: ignore[type-arg]
     pk = next(iter(table.primary_key.columns))
-    rows = await conn.execute(select(table).where(pk.in_(keys)).with_for_update())
+    rows = await conn.execute(select(table).where(_any(pk, keys)).with_for_update())
     return {r._mapping[pk.name]: dict(r._mapping) for r in rows}
 
 
@@ -156,19 +216,19 @@ async def load_entity_events(conn: AsyncConnection, entity: str) -> list[proj.Se
 async def _write(
     conn: AsyncConnection,
     table: Table,
-    upserts: list[dict],
-    deletes: list[str],  # type: ignore[type-arg]
+    upserts: list[dict[str, Any]],
+    deletes: list[str],
 ) -> None:
     pk = next(iter(table.primary_key.columns))
     if upserts:
-        stmt = pg_insert(table)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[pk.name],
-            set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name != pk.name},
+        columns = tuple(c.name for c in table.columns)
+        updates = ", ".join(f'"{c}" = EXCLUDED."{c}"' for c in columns if c != pk.name)
+        stmt = _unnest_insert(
+            table.name, columns, f"ON CONFLICT ({pk.name}) DO UPDATE SET {updates}"
         )
-        await conn.execute(stmt, upserts)
+        await conn.exec_driver_sql(stmt, _columns_of(upserts, table, columns))
     if deletes:
-        await conn.execute(table.delete().where(pk.in_(deletes)))
+        await conn.execute(table.delete().where(_any(pk, deletes)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,3 +59,28 @@ def test_backoff_grows_and_is_capped() -> None:
     assert delays == sorted(delays)
     assert delays[0] == pytest.approx(0.1)
     assert max(delays) == 1.0
+
+
+def test_unexported_spans_are_not_recorded_but_context_still_propagates() -> None:
+    """Sampling: with nowhere to export, spans are non-recording yet carry fresh ids, so
+    a hop's traceparent still names its own span; a sampled parent is honoured."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ParentBased
+
+    from mooncake import telemetry
+
+    root = telemetry._RootSampler(1.0, enabled=False)
+    tracer = TracerProvider(sampler=ParentBased(root)).get_tracer("t")
+    with tracer.start_as_current_span("a") as a:
+        assert not a.is_recording()
+        carrier: dict[str, str] = {}
+        telemetry.inject_headers(carrier)
+        assert format(a.get_span_context().span_id, "016x") in carrier["traceparent"]
+        assert int(carrier["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0  # not sampled
+    sampled_parent = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
+    ctx = telemetry.extract_context(sampled_parent)
+    with tracer.start_as_current_span("child", context=ctx) as child:
+        assert child.is_recording()
+    root.enabled = True
+    with tracer.start_as_current_span("b") as b:
+        assert b.is_recording()
