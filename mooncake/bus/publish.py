@@ -84,17 +84,27 @@ class Publisher:
         return event, headers
 
     async def publish(self, event: Event) -> PubAck:
-        attributes = {"mc.event_id": event.event_id}
-        if rid := getattr(event, "request_id", None):
-            attributes["mc.request_id"] = rid
-        with bus_tracer().start_as_current_span(
-            f"publish {event.type}", kind=SpanKind.PRODUCER, attributes=attributes
-        ):
-            event, headers = self._prepare(event)
-            payload = event.to_json()
-            ack = await self._publish_with_retry(self.ns.of(event), payload, headers, event.type)
+        current = trace.get_current_span()
+        if current.get_span_context().is_valid and not current.is_recording():
+            # Inside a trace nobody records (not sampled): a producer span of our own would
+            # be built and thrown away; the enclosing span's context propagates instead.
+            ack = await self._send(event)
+        else:
+            attributes = {"mc.event_id": event.event_id}
+            if rid := getattr(event, "request_id", None):
+                attributes["mc.request_id"] = rid
+            with bus_tracer().start_as_current_span(
+                f"publish {event.type}", kind=SpanKind.PRODUCER, attributes=attributes
+            ):
+                ack = await self._send(event)
         self._count(event.type)
         return ack
+
+    async def _send(self, event: Event) -> PubAck:
+        event, headers = self._prepare(event)
+        return await self._publish_with_retry(
+            self.ns.of(event), event.to_json(), headers, event.type
+        )
 
     def _count(self, type_: str) -> None:
         child = self._published.get(type_)
