@@ -1,0 +1,157 @@
+"""Overload handling (PAPER.md §5): which requests to reject, and when.
+
+Load is SLO pressure: prefill load = predicted TTFT / TTFT limit, decode load = predicted
+TBT / TBT limit; a load above 1 breaks the SLO. Every policy runs Algorithm 1's selection
+(`conductor.choose`) and differs only in the check:
+
+- `none`: admit whatever an instance can take.
+- `baseline`: no check on arrival; each stage checks its *own current* load when the request
+  reaches it - `prefill_stage_check` when it is queued on the prefill instance (at dispatch,
+  which is arrival, so `decide` runs it), `decode_stage_check` when its prefill has finished
+  (a rejection there wastes the prefill).
+- `early`: on arrival, reject if max(prefill load, decode load) > 1, with the decode load of
+  the chosen instance as it is now. This is exactly Algorithm 1's SLO check.
+- `predicted`: on arrival, the decode load is predicted *at the time this request's prefill
+  will finish* (t = now + predicted TTFT), system-level: every request decodes for a uniform
+  `uniform_decode_s`; at t, count the requests whose prefill will have finished and drop those
+  whose decode will have ended; predicted load = mean over decode instances of predicted
+  TBT / TBT limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mooncake.core import conductor as cd
+from mooncake.core.cluster import ClusterView, DecodeInstance
+from mooncake.core.cost_model import Costs
+from mooncake.events import RejectReason
+
+Policy = Literal["none", "baseline", "early", "predicted"]
+POLICIES: tuple[Policy, ...] = ("none", "baseline", "early", "predicted")
+
+
+def decide(
+    policy: Policy,
+    view: ClusterView,
+    req: cd.ScheduleRequest,
+    cfg: cd.ConductorConfig,
+    costs: Costs,
+    now: float,
+) -> cd.Decision:
+    """The admission decision on arrival under `policy`."""
+    choice = cd.choose(view, req, cfg, costs, now)
+    if choice is None:
+        return cd.no_instance(req, policy, cfg, now)
+    match policy:
+        case "none":
+            return cd.decision_from(choice, policy, None, cfg)
+        case "baseline":
+            verdict = prefill_stage_check(
+                view, choice.prefill.id, req.prompt_tokens, choice.prefix_tokens,
+                choice.transfer_s, cfg, costs, now,
+            )  # fmt: skip
+            return cd.decision_from(choice, policy, verdict.reason, cfg, stage="prefill")
+        case "early":
+            reason = cd.slo_reason(choice.ttft_s, choice.tbt_s, cfg)
+            return cd.decision_from(choice, policy, reason, cfg)
+        case "predicted":
+            return _predicted(choice, view, cfg, costs)
+    raise ValueError(f"unknown admission policy {policy!r}")
+
+
+# --- predicted -----------------------------------------------------------------------------------
+
+
+def predicted_decode_batches(
+    view: ClusterView, at: float, uniform_decode_s: float
+) -> dict[str, tuple[int, int]]:
+    """Each decode instance's (batch, context tokens) at time `at`, system-level: a request
+    decodes on [start, start + t_d), start = its actual decode start, else its (predicted or
+    actual) prefill finish."""
+    out = {d.id: (0, 0) for d in view.decode_order}
+    for r in view.inflight.values():
+        start = r.decode_started_at if r.decode_started_at is not None else r.prefill_done_at
+        if start <= at < start + uniform_decode_s and r.decode_instance in out:
+            b, c = out[r.decode_instance]
+            out[r.decode_instance] = (b + 1, c + r.context_tokens)
+    return out
+
+
+def predicted_decode_load(
+    view: ClusterView,
+    at: float,
+    cfg: cd.ConductorConfig,
+    costs: Costs,
+    joining: tuple[str, int] | None = None,
+) -> tuple[float, dict[str, float]]:
+    """(mean over decode instances of predicted TBT at `at`, per-instance TBT); `joining` =
+    (instance, context tokens) of the request being judged, added to its instance."""
+    batches = predicted_decode_batches(view, at, cfg.uniform_decode_s)
+    if joining is not None and joining[0] in batches:
+        b, c = batches[joining[0]]
+        batches[joining[0]] = (b + 1, c + joining[1])
+    tbts = {iid: costs.decode.decode_step_s(b, c) for iid, (b, c) in batches.items()}
+    mean = sum(tbts.values()) / len(tbts) if tbts else 0.0
+    return mean, tbts
+
+
+def _predicted(
+    choice: cd.Choice, view: ClusterView, cfg: cd.ConductorConfig, costs: Costs
+) -> cd.Decision:
+    at = choice.now + choice.ttft_s
+    joining = (choice.decode.id, choice.request.prompt_tokens)
+    tbt, per_instance = predicted_decode_load(view, at, cfg, costs, joining)
+    load = tbt / cfg.tbt_slo_s
+    reason = None
+    if choice.ttft_s > cfg.ttft_slo_s:
+        reason = RejectReason.TTFT_SLO
+    elif load > 1.0:
+        reason = RejectReason.DECODE_OVERLOADED
+    extra = (("predicted_at", at), *((f"tbt_at:{k}", v) for k, v in sorted(per_instance.items())))
+    return cd.decision_from(
+        choice, "predicted", reason, cfg, tbt_s=tbt, decode_load=load, extra=extra
+    )
+
+
+# --- baseline: the stages' own checks ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageVerdict:
+    """A stage's own check under the `baseline` policy."""
+
+    accept: bool
+    load: float
+    predicted_s: float
+    reason: RejectReason | None
+
+
+def prefill_stage_check(
+    view: ClusterView, instance: str, prompt_tokens: int, cached_tokens: int,
+    transfer_s: float, cfg: cd.ConductorConfig, costs: Costs, now: float,
+) -> StageVerdict:  # fmt: skip
+    """The prefill instance's check when the request reaches it: the prefix fetch, its queue
+    and this prefill, against the TTFT limit."""
+    p = view.prefill.get(instance)
+    if p is None:
+        return StageVerdict(False, float("inf"), float("inf"), RejectReason.NO_INSTANCE)
+    ttft = transfer_s + p.queue_s(now) + costs.prefill.prefill_s(prompt_tokens, cached_tokens)
+    load = ttft / cfg.ttft_slo_s
+    reason = RejectReason.PREFILL_OVERLOADED if load > 1.0 else None
+    return StageVerdict(reason is None, load, ttft, reason)
+
+
+def decode_stage_check(
+    decode: DecodeInstance, context_tokens: int, cfg: cd.ConductorConfig, costs: Costs
+) -> StageVerdict:
+    """The decode instance's check when a prefilled request reaches it: its current running
+    batch plus this request, against the TBT limit (and its KV capacity, if bounded)."""
+    cap = decode.kv_capacity_tokens
+    if cap is not None and decode.context_tokens + context_tokens > cap:
+        return StageVerdict(False, float("inf"), float("inf"), RejectReason.DECODE_OVERLOADED)
+    tbt = costs.decode.decode_step_s(decode.batch + 1, decode.context_tokens + context_tokens)
+    load = tbt / cfg.tbt_slo_s
+    reason = RejectReason.DECODE_OVERLOADED if load > 1.0 else None
+    return StageVerdict(reason is None, load, tbt, reason)

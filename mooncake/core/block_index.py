@@ -1,0 +1,106 @@
+"""The global block index: which nodes hold which KV block key (PAPER.md §2-§3).
+
+Keys are chained (`mooncake.hashing`), so "the longest prefix of a prompt held by node X"
+is a walk along the prompt's key chain that stops at the first key X does not hold, and
+"the longest prefix anywhere in the pool" stops at the first key nobody holds.
+
+Built for millions of keys: each key maps to an *interned* frozenset of holder nodes, so
+the hundreds of thousands of keys with the same holders share one set object and the index
+costs one dict slot per key. Mutable by design (copying a million-entry map per update would
+be O(N)); owned by one `ClusterView` and changed only through its `apply`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+_EMPTY: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Where a key chain's prefix lives.
+
+    `best_blocks`: leading blocks held somewhere in the pool (possibly spread over nodes).
+    `node_blocks`: for each node holding at least the first block, its longest local prefix.
+    `full_holders`: nodes that hold all `best_blocks` themselves (a single-source transfer).
+    """
+
+    best_blocks: int
+    node_blocks: dict[str, int]
+    full_holders: frozenset[str]
+
+    def local_blocks(self, node: str) -> int:
+        return self.node_blocks.get(node, 0)
+
+
+NO_MATCH = PrefixMatch(0, {}, _EMPTY)
+
+
+class BlockIndex:
+    def __init__(self) -> None:
+        self._holders: dict[str, frozenset[str]] = {}
+        self._interned: dict[frozenset[str], frozenset[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def _intern(self, holders: frozenset[str]) -> frozenset[str]:
+        return self._interned.setdefault(holders, holders)
+
+    def holders(self, key: str) -> frozenset[str]:
+        return self._holders.get(key, _EMPTY)
+
+    def add(self, node: str, keys: Iterable[str]) -> None:
+        one = self._intern(frozenset((node,)))
+        index = self._holders
+        for key in keys:
+            old = index.get(key)
+            if old is None:
+                index[key] = one
+            elif node not in old:
+                index[key] = self._intern(old | one)
+
+    def remove(self, node: str, keys: Iterable[str]) -> None:
+        index = self._holders
+        for key in keys:
+            old = index.get(key)
+            if old is None or node not in old:
+                continue
+            if len(old) == 1:
+                del index[key]
+            else:
+                index[key] = self._intern(old - {node})
+
+    def drop_node(self, node: str) -> int:
+        """Forget every block of a lost node: O(index) — rare (a node failure), so the index
+        keeps no node -> keys reverse map (that would double its memory)."""
+        affected = [k for k, h in self._holders.items() if node in h]
+        self.remove(node, affected)
+        return len(affected)
+
+    def match(self, keys: Sequence[str]) -> PrefixMatch:
+        """Longest prefix of `keys` in the pool and on every node that holds part of it."""
+        index = self._holders
+        first = index.get(keys[0]) if keys else None
+        if first is None:
+            return NO_MATCH
+        alive = first
+        node_blocks: dict[str, int] = {}
+        best = 1
+        for i in range(1, len(keys)):
+            held = index.get(keys[i])
+            if held is None:
+                break
+            best = i + 1
+            if held is not alive and alive:
+                kept = alive & held
+                if len(kept) != len(alive):
+                    for node in alive - kept:
+                        node_blocks[node] = i
+                    alive = kept
+        # Nodes alive to the end hold all `best` blocks; of those we must say which.
+        for node in alive:
+            node_blocks[node] = best
+        return PrefixMatch(best, node_blocks, alive)

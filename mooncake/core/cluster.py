@@ -1,0 +1,308 @@
+"""ClusterView: what the Conductor knows about the cluster, folded from facts.
+
+One `apply(fact, now)` entry point; no I/O and no clock: `now` (seconds on any monotonic
+scale the caller picks: simulated time in sim/, a monotonic clock in the worker) is an
+argument. The same sequence of facts always gives the same view, so a decision can be
+replayed.
+
+What it holds:
+- prefill instances: node (whose DRAM is the instance's local prefix cache), the FCFS queue
+  of predicted prefill seconds (queued + the remainder of the running one);
+- decode instances: the running batch (count, summed context) and the work reserved for
+  them by admitted requests whose prefill has not finished;
+- the global block index (`BlockIndex`) fed by store facts;
+- the in-flight requests with the times the predicted-load admission policy needs.
+
+The view itself is mutable (the block index holds millions of keys; copying it per fact
+would be O(N)); the facts are frozen values, and readers get plain values back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mooncake.core.block_index import BlockIndex
+
+# --- facts (what the worker derives from bus events; what the simulator emits) ----------------
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceJoined:
+    instance: str
+    role: Literal["prefill", "decode"]
+    node: str = ""  # defaults to the instance id (one instance per node, as in the paper)
+    kv_capacity_tokens: int | None = None  # decode: KV the instance can hold; None = unbounded
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLeft:
+    instance: str
+
+
+@dataclass(frozen=True, slots=True)
+class Assigned:
+    """A request was admitted to (prefill, decode): queue its predicted work.
+
+    Built from a Decision by `conductor.assignment` (the queue-time update of Algorithm 1)."""
+
+    request_id: str
+    prefill_instance: str
+    decode_instance: str
+    prompt_tokens: int
+    predicted_prefill_s: float
+    predicted_ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStarted:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFinished:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStarted:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFinished:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDropped:
+    """Rejected by a later stage, failed or cancelled: release whatever it held."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoadReported:
+    """A decode instance's own count of its running batch (corrects drift)."""
+
+    instance: str
+    batch: int
+    context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    node: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    node: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLost:
+    node: str
+
+
+Fact = (
+    InstanceJoined
+    | InstanceLeft
+    | Assigned
+    | PrefillStarted
+    | PrefillFinished
+    | DecodeStarted
+    | DecodeFinished
+    | RequestDropped
+    | DecodeLoadReported
+    | BlocksStored
+    | BlocksRemoved
+    | NodeLost
+)
+
+# --- state -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PrefillInstance:
+    id: str
+    node: str
+    queued: dict[str, float] = field(default_factory=dict)  # request -> predicted s, FCFS
+    queued_s: float = 0.0
+    running: str | None = None
+    running_ends_at: float = 0.0
+
+    def queue_s(self, now: float) -> float:
+        """Predicted seconds of work ahead of a new request (T_queue of Algorithm 1)."""
+        rest = self.running_ends_at - now if self.running is not None else 0.0
+        return max(self.queued_s, 0.0) + max(rest, 0.0)
+
+
+@dataclass(slots=True)
+class DecodeInstance:
+    id: str
+    node: str
+    kv_capacity_tokens: int | None = None
+    batch: int = 0
+    context_tokens: int = 0
+    reserved_batch: int = 0
+    reserved_tokens: int = 0
+
+    def fits(self, tokens: int) -> bool:
+        if self.kv_capacity_tokens is None:
+            return True
+        used = self.context_tokens + self.reserved_tokens
+        return used + tokens <= self.kv_capacity_tokens
+
+
+@dataclass(slots=True)
+class Inflight:
+    """An admitted request, with the times the `predicted` admission policy needs."""
+
+    request_id: str
+    prefill_instance: str
+    decode_instance: str
+    context_tokens: int
+    predicted_prefill_s: float
+    prefill_done_at: float  # predicted until PrefillFinished, then actual
+    phase: Literal["queued", "prefilling", "prefilled", "decoding"] = "queued"
+    decode_started_at: float | None = None
+
+
+class ClusterView:
+    def __init__(self) -> None:
+        self.prefill: dict[str, PrefillInstance] = {}
+        self.decode: dict[str, DecodeInstance] = {}
+        self.blocks = BlockIndex()
+        self.inflight: dict[str, Inflight] = {}
+        # Sorted ids: iteration (and so tie-breaking) does not depend on join order.
+        self.prefill_order: tuple[PrefillInstance, ...] = ()
+        self.decode_order: tuple[DecodeInstance, ...] = ()
+
+    def prefill_instances(self) -> Iterator[PrefillInstance]:
+        return iter(self.prefill_order)
+
+    def decode_instances(self) -> Iterator[DecodeInstance]:
+        return iter(self.decode_order)
+
+    def apply(self, fact: Fact, now: float) -> None:
+        match fact:
+            case InstanceJoined():
+                self._join(fact)
+            case InstanceLeft(instance=iid):
+                self.prefill.pop(iid, None)
+                self.decode.pop(iid, None)
+                self._reorder()
+            case Assigned():
+                self._assigned(fact, now)
+            case PrefillStarted(request_id=rid):
+                self._prefill_started(rid, now)
+            case PrefillFinished(request_id=rid):
+                self._prefill_finished(rid, now)
+            case DecodeStarted(request_id=rid):
+                self._decode_started(rid, now)
+            case DecodeFinished(request_id=rid) | RequestDropped(request_id=rid):
+                self._release(rid)
+            case DecodeLoadReported(instance=iid, batch=b, context_tokens=c):
+                if (d := self.decode.get(iid)) is not None:
+                    d.batch, d.context_tokens = b, c
+            case BlocksStored(node=node, keys=keys):
+                self.blocks.add(node, keys)
+            case BlocksRemoved(node=node, keys=keys):
+                self.blocks.remove(node, keys)
+            case NodeLost(node=node):
+                self.blocks.drop_node(node)
+
+    def _join(self, f: InstanceJoined) -> None:
+        node = f.node or f.instance
+        if f.role == "prefill":
+            self.prefill.setdefault(f.instance, PrefillInstance(f.instance, node))
+        else:
+            self.decode.setdefault(
+                f.instance, DecodeInstance(f.instance, node, f.kv_capacity_tokens)
+            )
+        self._reorder()
+
+    def _reorder(self) -> None:
+        self.prefill_order = tuple(self.prefill[k] for k in sorted(self.prefill))
+        self.decode_order = tuple(self.decode[k] for k in sorted(self.decode))
+
+    def _assigned(self, f: Assigned, now: float) -> None:
+        p = self.prefill.get(f.prefill_instance)
+        d = self.decode.get(f.decode_instance)
+        if p is None or d is None or f.request_id in self.inflight:
+            return  # an instance left meanwhile, or a redelivered fact: nothing to add
+        p.queued[f.request_id] = f.predicted_prefill_s
+        p.queued_s += f.predicted_prefill_s
+        d.reserved_batch += 1
+        d.reserved_tokens += f.prompt_tokens
+        self.inflight[f.request_id] = Inflight(
+            f.request_id,
+            f.prefill_instance,
+            f.decode_instance,
+            f.prompt_tokens,
+            f.predicted_prefill_s,
+            now + f.predicted_ttft_s,
+        )
+
+    def _dequeue(self, r: Inflight) -> PrefillInstance | None:
+        p = self.prefill.get(r.prefill_instance)
+        if p is not None and r.request_id in p.queued:
+            p.queued_s -= p.queued.pop(r.request_id)
+            if not p.queued:
+                p.queued_s = 0.0  # no float drift accumulates across an idle period
+        return p
+
+    def _prefill_started(self, rid: str, now: float) -> None:
+        r = self.inflight.get(rid)
+        if r is None or r.phase != "queued":
+            return
+        p = self._dequeue(r)
+        r.phase = "prefilling"
+        if p is not None:
+            p.running, p.running_ends_at = rid, now + r.predicted_prefill_s
+            r.prefill_done_at = p.running_ends_at
+
+    def _end_prefill(self, r: Inflight) -> None:
+        p = self._dequeue(r)
+        if p is not None and p.running == r.request_id:
+            p.running = None
+
+    def _prefill_finished(self, rid: str, now: float) -> None:
+        r = self.inflight.get(rid)
+        if r is None or r.phase not in ("queued", "prefilling"):
+            return
+        self._end_prefill(r)
+        r.phase, r.prefill_done_at = "prefilled", now
+
+    def _decode_started(self, rid: str, now: float) -> None:
+        r = self.inflight.get(rid)
+        if r is None or r.phase == "decoding":
+            return
+        if r.phase in ("queued", "prefilling"):
+            self._prefill_finished(rid, now)
+        d = self.decode.get(r.decode_instance)
+        if d is not None:
+            d.reserved_batch -= 1
+            d.reserved_tokens -= r.context_tokens
+            d.batch += 1
+            d.context_tokens += r.context_tokens
+        r.phase, r.decode_started_at = "decoding", now
+
+    def _release(self, rid: str) -> None:
+        r = self.inflight.pop(rid, None)
+        if r is None:
+            return
+        self._end_prefill(r)
+        d = self.decode.get(r.decode_instance)
+        if d is None:
+            return
+        if r.phase == "decoding":
+            d.batch = max(d.batch - 1, 0)
+            d.context_tokens = max(d.context_tokens - r.context_tokens, 0)
+        else:
+            d.reserved_batch -= 1
+            d.reserved_tokens -= r.context_tokens

@@ -1,0 +1,315 @@
+"""The Conductor's KVCache-centric scheduling: Algorithm 1 of FAST'25 (PAPER.md §3).
+
+```
+best_len = longest cached prefix anywhere in the pool
+for each prefill instance p:
+    if best_len / p.local_prefix_len > balancing_threshold:  prefix = best_len,
+        T_transfer = transfer_time(best_len - p.local_prefix_len)
+    else:  prefix = p.local_prefix_len,  T_transfer = 0
+    TTFT(p) = T_transfer + T_queue(p) + T_prefill(prompt_len, prefix)
+choose p with the least TTFT; choose d by load, with its predicted TBT
+if TTFT > TTFT_SLO or TBT > TBT_SLO: reject
+if p takes the remote prefix: p keeps a copy (hot blocks replicate)
+```
+
+`choose` runs the loop and returns a `Choice`; `decide` adds the SLO check and returns a
+`Decision` (a frozen value with every input that drove it, `to_dict()` for the event log);
+`assignment` turns an admitted Decision into the `Assigned` fact that updates the chosen
+instance's queue. Pure: the view is read, never changed; time is the `now` argument.
+
+Readings of the pseudo-code (documented because the paper leaves them open):
+- `best_len / local > threshold` is evaluated as `best_len > threshold * local`, so a node
+  with no local prefix takes any remote one (x/0 = ∞) and 0/0 takes nothing.
+- Block counts become tokens as `min(blocks * block_tokens, prompt_tokens)`.
+- "d by load": the decode instance whose step time is least with the work already routed
+  to it (running + reserved + this request), so a burst does not herd onto one instance;
+  its predicted TBT (checked against the SLO) is the step time of its *current* batch plus
+  this request - the decode load on arrival, as the early-rejection policy of PAPER.md §5
+  defines it. Ties go to the smallest instance id (determinism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mooncake.core.block_index import PrefixMatch
+from mooncake.core.cluster import Assigned, ClusterView, DecodeInstance, PrefillInstance
+from mooncake.core.cost_model import Costs
+from mooncake.events import RejectReason
+
+
+@dataclass(frozen=True, slots=True)
+class ConductorConfig:
+    block_tokens: int = 512
+    # Take a remote prefix only when it is this many times longer than the local one.
+    balancing_threshold: float = 2.0
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    # `predicted` admission: the uniform decode time t_d every request is assumed to take.
+    uniform_decode_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRequest:
+    request_id: str
+    prompt_tokens: int
+    keys: tuple[str, ...]  # chained block keys of the prompt's whole blocks
+
+
+@dataclass(frozen=True, slots=True)
+class CopyBlocks:
+    """Hot-block replication: `target_node` keeps a copy of `keys` it fetches for a prefill.
+
+    `sources` are nodes holding every key; empty means the blocks are spread over nodes."""
+
+    target_node: str
+    keys: tuple[str, ...]
+    sources: tuple[str, ...]
+
+
+# (instance, local_blocks, prefix_blocks, transfer_s, queue_s, ttft_s)
+PrefillCandidate = tuple[str, int, int, float, float, float]
+# (instance, batch, context_tokens, reserved_batch, reserved_tokens, committed_tbt_s)
+DecodeCandidate = tuple[str, int, int, int, int, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Algorithm 1 before the SLO check: the least-TTFT prefill and least-loaded decode."""
+
+    request: ScheduleRequest
+    now: float
+    prefill: PrefillInstance
+    decode: DecodeInstance
+    local_blocks: int
+    best_blocks: int
+    prefix_blocks: int
+    prefix_tokens: int
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+    ttft_s: float
+    tbt_s: float
+    copy: CopyBlocks | None
+    candidates: tuple[PrefillCandidate, ...]
+    decode_candidates: tuple[DecodeCandidate, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    request_id: str
+    policy: str
+    admitted: bool
+    reason: RejectReason | None
+    now: float
+    prompt_tokens: int
+    stage: str = "admission"
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+    local_prefix_blocks: int = 0
+    remote_prefix_blocks: int = 0  # longest prefix anywhere in the pool
+    prefix_tokens: int = 0  # tokens the chosen instance reuses (local or fetched)
+    takes_remote: bool = False
+    transfer_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+    prefill_load: float | None = None
+    decode_load: float | None = None
+    copy: CopyBlocks | None = None
+    config: ConductorConfig = field(default_factory=ConductorConfig)
+    candidates: tuple[PrefillCandidate, ...] = ()
+    decode_candidates: tuple[DecodeCandidate, ...] = ()
+    # Policy-specific inputs (e.g. the predicted per-instance decode loads), name -> number.
+    extra: tuple[tuple[str, float], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable; what `RequestAdmitted.inputs` / `RequestRejected.inputs` hold."""
+        d = asdict(self)
+        d["reason"] = self.reason.value if self.reason is not None else None
+        d["candidates"] = [list(c) for c in self.candidates]
+        d["decode_candidates"] = [list(c) for c in self.decode_candidates]
+        d["extra"] = dict(self.extra)
+        if self.copy is not None:
+            d["copy"] = {
+                "target_node": self.copy.target_node,
+                "keys": list(self.copy.keys),
+                "sources": list(self.copy.sources),
+            }
+        return d
+
+
+def prefix_tokens(blocks: int, prompt_tokens: int, block_tokens: int) -> int:
+    return min(blocks * block_tokens, prompt_tokens)
+
+
+def _prefill_candidates(
+    view: ClusterView, req: ScheduleRequest, cfg: ConductorConfig, costs: Costs, now: float
+) -> tuple[PrefixMatch, tuple[PrefillCandidate, ...]]:
+    match = view.blocks.match(req.keys)
+    best = match.best_blocks
+    node_blocks = match.node_blocks
+    prompt, bt, thr = req.prompt_tokens, cfg.block_tokens, cfg.balancing_threshold
+    prefill_of: dict[int, float] = {}  # memo: few distinct prefixes among many instances
+    transfer_of: dict[int, float] = {}
+    out: list[PrefillCandidate] = []
+    for p in view.prefill_order:
+        local = node_blocks.get(p.node, 0)
+        if best > thr * local:
+            prefix = best
+            transfer = transfer_of.get(local, -1.0)
+            if transfer < 0:
+                transfer = costs.transfer.transfer_s(prefix_tokens(best - local, prompt, bt))
+                transfer_of[local] = transfer
+        else:
+            prefix, transfer = local, 0.0
+        t_prefill = prefill_of.get(prefix)
+        if t_prefill is None:
+            t_prefill = costs.prefill.prefill_s(prompt, prefix_tokens(prefix, prompt, bt))
+            prefill_of[prefix] = t_prefill
+        queue = p.queue_s(now)
+        out.append((p.id, local, prefix, transfer, queue, transfer + queue + t_prefill))
+    return match, tuple(out)
+
+
+def _decode_candidates(
+    view: ClusterView, prompt_tokens: int, costs: Costs
+) -> tuple[DecodeCandidate, ...]:
+    step = costs.decode.decode_step_s
+    return tuple(
+        (
+            d.id,
+            d.batch,
+            d.context_tokens,
+            d.reserved_batch,
+            d.reserved_tokens,
+            step(
+                d.batch + d.reserved_batch + 1,
+                d.context_tokens + d.reserved_tokens + prompt_tokens,
+            ),
+        )
+        for d in view.decode_order
+        if d.fits(prompt_tokens)
+    )
+
+
+def _argmin(rows: Sequence[tuple[Any, ...]], col: int) -> tuple[Any, ...]:
+    """First row with the least value in `col`; rows come in instance-id order."""
+    best = rows[0]
+    for row in rows:
+        if row[col] < best[col]:
+            best = row
+    return best
+
+
+def choose(
+    view: ClusterView, req: ScheduleRequest, cfg: ConductorConfig, costs: Costs, now: float
+) -> Choice | None:
+    """Algorithm 1's selection; None when no prefill or no decode instance can take it."""
+    match, candidates = _prefill_candidates(view, req, cfg, costs, now)
+    decodes = _decode_candidates(view, req.prompt_tokens, costs)
+    if not candidates or not decodes:
+        return None
+    pid, local, prefix, transfer, queue, ttft = _argmin(candidates, 5)
+    p = view.prefill[pid]
+    d = view.decode[_argmin(decodes, 5)[0]]
+    copy = None
+    if prefix > local:  # p takes the pool's longest prefix: it keeps a copy of the blocks
+        copy = CopyBlocks(p.node, req.keys[local:prefix], tuple(sorted(match.full_holders)))
+    tokens = prefix_tokens(prefix, req.prompt_tokens, cfg.block_tokens)
+    tbt = costs.decode.decode_step_s(d.batch + 1, d.context_tokens + req.prompt_tokens)
+    return Choice(
+        req, now, p, d, local, match.best_blocks, prefix, tokens, transfer, queue,
+        ttft - transfer - queue, ttft, tbt, copy, candidates, decodes,
+    )  # fmt: skip
+
+
+def decision_from(
+    choice: Choice,
+    policy: str,
+    reason: RejectReason | None,
+    cfg: ConductorConfig,
+    *,
+    tbt_s: float | None = None,
+    decode_load: float | None = None,
+    stage: str = "admission",
+    extra: tuple[tuple[str, float], ...] = (),
+) -> Decision:
+    """A Decision carrying every input of `choice`; `tbt_s` / `decode_load` override the
+    arrival-time decode prediction for policies that predict it differently."""
+    c = choice
+    tbt = c.tbt_s if tbt_s is None else tbt_s
+    return Decision(
+        request_id=c.request.request_id,
+        policy=policy,
+        admitted=reason is None,
+        reason=reason,
+        now=c.now,
+        prompt_tokens=c.request.prompt_tokens,
+        stage=stage,
+        prefill_instance=c.prefill.id,
+        decode_instance=c.decode.id,
+        local_prefix_blocks=c.local_blocks,
+        remote_prefix_blocks=c.best_blocks,
+        prefix_tokens=c.prefix_tokens,
+        takes_remote=c.copy is not None,
+        transfer_s=c.transfer_s,
+        queue_s=c.queue_s,
+        prefill_s=c.prefill_s,
+        predicted_ttft_s=c.ttft_s,
+        predicted_tbt_s=tbt,
+        prefill_load=c.ttft_s / cfg.ttft_slo_s,
+        decode_load=tbt / cfg.tbt_slo_s if decode_load is None else decode_load,
+        copy=c.copy,
+        config=cfg,
+        candidates=c.candidates,
+        decode_candidates=c.decode_candidates,
+        extra=extra,
+    )
+
+
+def no_instance(req: ScheduleRequest, policy: str, cfg: ConductorConfig, now: float) -> Decision:
+    return Decision(
+        req.request_id, policy, False, RejectReason.NO_INSTANCE, now, req.prompt_tokens, config=cfg
+    )
+
+
+def slo_reason(ttft_s: float, tbt_s: float, cfg: ConductorConfig) -> RejectReason | None:
+    if ttft_s > cfg.ttft_slo_s:
+        return RejectReason.TTFT_SLO
+    if tbt_s > cfg.tbt_slo_s:
+        return RejectReason.TBT_SLO
+    return None
+
+
+def decide(
+    view: ClusterView,
+    req: ScheduleRequest,
+    cfg: ConductorConfig,
+    costs: Costs,
+    now: float,
+    policy: str = "early",
+) -> Decision:
+    """Algorithm 1 in full: selection, then reject if TTFT or TBT breaks its SLO."""
+    choice = choose(view, req, cfg, costs, now)
+    if choice is None:
+        return no_instance(req, policy, cfg, now)
+    return decision_from(choice, policy, slo_reason(choice.ttft_s, choice.tbt_s, cfg), cfg)
+
+
+def assignment(decision: Decision) -> Assigned | None:
+    """The queue-time update after an assignment, as a fact for `ClusterView.apply`."""
+    if not decision.admitted or decision.prefill_instance is None:
+        return None
+    assert decision.decode_instance is not None and decision.predicted_ttft_s is not None
+    return Assigned(
+        decision.request_id,
+        decision.prefill_instance,
+        decision.decode_instance,
+        decision.prompt_tokens,
+        decision.prefill_s,
+        decision.predicted_ttft_s,
+    )

@@ -1,0 +1,280 @@
+"""Time predictors for the Conductor (PAPER.md §4): prefill, decode step, KV transfer.
+
+Pure: numbers in, seconds out. Two families share one interface (`PrefillModel`,
+`DecodeModel`), so the Conductor, the simulator and the live worker cannot tell them apart:
+
+- `FittedCostModel`: polynomial regressions fitted (numpy least squares) on the engine
+  profiler's JSON (`PROFILE_SCHEMA`, see `parse_profile`).
+- `AnalyticCostModel`: FLOPs / bytes from the model shape and the hardware, for the paper's
+  reference hardware (LLaMA3-70B on 8xA800 and 8xH800) where no profile exists.
+
+Physics the models keep (and the tests check): prefill time never decreases with the prompt
+length and never increases with the cached prefix; a decode step never gets faster with a
+larger batch or a longer context; moving more tokens never takes less time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+PROFILE_SCHEMA = "mooncake.profile/1"
+
+
+class PrefillModel(Protocol):
+    def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float: ...
+
+
+class DecodeModel(Protocol):
+    def decode_step_s(self, batch: int, context_tokens: int) -> float: ...
+
+
+# --- shapes and hardware -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    params: float  # parameter count, for the bytes a decode step streams from HBM
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (PAPER.md §2)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """One serving instance (a node of `gpus` GPUs, tensor-parallel). Bandwidths in bytes/s
+    for the whole node."""
+
+    name: str
+    gpus: int
+    peak_flops_per_gpu: float  # dense BF16
+    hbm_bytes_per_s_per_gpu: float
+    h2d_bytes_per_s: float  # host DRAM -> GPUs, whole node
+    nic_bytes_per_s: float  # node <-> node (RDMA), whole node
+
+    @property
+    def peak_flops(self) -> float:
+        return self.gpus * self.peak_flops_per_gpu
+
+
+LLAMA3_70B = ModelShape("llama3-70b", 80, 8192, 8, 128, 2, 70.6e9)  # 320 KiB of KV per token
+# PAPER.md §4: 8 x 312 TFLOPS BF16, 128 GB/s host-to-device, 800 Gbps NIC; A800 HBM2e 2.04 TB/s.
+A800_X8 = Hardware("8xA800", 8, 312e12, 2.039e12, 128e9, 800e9 / 8)
+# Not in the papers' cost section; public H800 SXM figures: 989 TFLOPS dense BF16, 3.35 TB/s
+# HBM3. Assumed: PCIe Gen5 doubles host-to-device to 256 GB/s; 8 x 400 Gbps RDMA NICs
+# (the transfer-engine setup of PAPER.md §7).
+H800_X8 = Hardware("8xH800", 8, 989e12, 3.35e12, 256e9, 8 * 400e9 / 8)
+
+
+# --- transfer ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TransferModel:
+    """Moving KV of `tokens` tokens between nodes: latency + bytes / bandwidth.
+
+    Nothing to move costs nothing (no round trip is made)."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    bytes_per_token: int
+
+    def transfer_s(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.latency_s + tokens * self.bytes_per_token / self.bandwidth_bytes_per_s
+
+    @classmethod
+    def for_hardware(
+        cls, model: ModelShape, hw: Hardware, *, efficiency: float = 0.5, latency_s: float = 1e-3
+    ) -> TransferModel:
+        """The NIC at `efficiency` of line rate: the transfer engine reached 87 GB/s on
+        4x200 Gbps (87 %) in PAPER.md §7; 0.5 leaves room for contention with other flows."""
+        return cls(hw.nic_bytes_per_s * efficiency, latency_s, model.kv_bytes_per_token)
+
+
+# --- analytic model ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyticCostModel:
+    """PAPER.md §4: prefill FLOPs for n tokens = l*(a*n²*d + b*n*d²), a = 4, b = 22.
+
+    With a cached prefix of P tokens out of L, the new n = L - P tokens attend to all L:
+    the attention term scales with Σ_{i=P}^{L-1} i ∝ L² - P² (equal to n² at P = 0), the
+    linear term with n. So FLOPs(L, P) = l*(a*d*(L² - P²) + b*(L - P)*d²).
+
+    Assumptions (stated, not measured): prefill runs at `mfu` of the node's peak (0.5 is
+    typical of long-context TP-8 prefill); the prefix's KV streams host -> GPU layer by layer,
+    overlapped with compute (PAPER.md §6), so prefill ≈ max(compute, load). An instance may
+    reuse less than the whole prefix, so the predictor reports the best reuse: the time is
+    non-increasing in P. A decode step streams the weights and the batch's KV from HBM at
+    `hbm_efficiency`, plus a fixed per-step overhead (kernel launches, TP all-reduces).
+    """
+
+    model: ModelShape
+    hw: Hardware
+    mfu: float = 0.5
+    hbm_efficiency: float = 0.6
+    step_overhead_s: float = 0.005
+    a: float = 4.0
+    b: float = 22.0
+
+    def _compute_s(self, prompt: float, prefix: float) -> float:
+        m = self.model
+        flops = m.layers * (
+            self.a * m.hidden * (prompt * prompt - prefix * prefix)
+            + self.b * (prompt - prefix) * m.hidden * m.hidden
+        )
+        return flops / (self.hw.peak_flops * self.mfu)
+
+    def _load_s(self, prefix: float) -> float:
+        return prefix * self.model.kv_bytes_per_token / self.hw.h2d_bytes_per_s
+
+    def _best_reuse(self, prompt: float, prefix: float) -> float:
+        """The reuse in [0, prefix] minimising max(compute, load): where they cross."""
+        m, f = self.model, self.hw.peak_flops * self.mfu
+        qa = m.layers * self.a * m.hidden / f  # compute = c0 - qa*P² - qb*P
+        qb = m.layers * self.b * m.hidden * m.hidden / f
+        c0 = self._compute_s(prompt, 0.0)
+        k = self.model.kv_bytes_per_token / self.hw.h2d_bytes_per_s
+        # qa*P² + (qb + k)*P - c0 = 0, positive root.
+        cross = (-(qb + k) + math.sqrt((qb + k) ** 2 + 4 * qa * c0)) / (2 * qa)
+        return min(prefix, cross)
+
+    def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        prompt = float(max(prompt_tokens, 0))
+        prefix = self._best_reuse(prompt, float(min(max(cached_tokens, 0), prompt_tokens)))
+        return max(self._compute_s(prompt, prefix), self._load_s(prefix))
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        m, hw = self.model, self.hw
+        hbm = hw.gpus * hw.hbm_bytes_per_s_per_gpu * self.hbm_efficiency
+        memory = (m.params * m.dtype_bytes + context_tokens * m.kv_bytes_per_token) / hbm
+        compute = 2.0 * m.params * max(batch, 0) / (hw.peak_flops * self.mfu)
+        return self.step_overhead_s + max(memory, compute)
+
+
+# --- fitted model --------------------------------------------------------------------------------
+
+
+def prefill_features(prompt: float, cached: float) -> tuple[float, ...]:
+    """A degree-2 polynomial in (L, P) written in a basis where each term is non-decreasing
+    in L and non-increasing in P (n = L - P): 1, n, n², L² - P². With non-negative
+    coefficients the fit keeps the physics whatever noise the profile has."""
+    n = prompt - cached
+    return (1.0, n, n * n, prompt * prompt - cached * cached)
+
+
+def decode_features(batch: float, context: float) -> tuple[float, ...]:
+    """Step = fixed + per-sequence + per-context-token (weights, then KV, from HBM)."""
+    return (1.0, batch, context)
+
+
+@dataclass(frozen=True, slots=True)
+class PolyFit:
+    """y ≈ Σ coef_i * feature_i(x, z), with every coef_i ≥ 0."""
+
+    coef: tuple[float, ...]
+    rmse: float
+    samples: int
+
+    def __call__(self, features: Sequence[float]) -> float:
+        return float(sum(c * f for c, f in zip(self.coef, features, strict=True)))
+
+
+def fit_nonnegative(rows: Sequence[Sequence[float]], y: Sequence[float]) -> PolyFit:
+    """Least squares with non-negative coefficients, exactly: for a handful of features, the
+    best unconstrained lstsq fit over every subset of columns that comes out all-non-negative
+    (the NNLS optimum is one of them). numpy has no NNLS and scipy is not a dependency."""
+    x = np.asarray(rows, dtype=np.float64)
+    t = np.asarray(y, dtype=np.float64)
+    if x.ndim != 2 or len(x) == 0 or len(x) != len(t):
+        raise ValueError("need a non-empty sample matrix with one target per row")
+    # Scale columns so the solver is well conditioned (L² is ~1e8 when L is ~1e4).
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-300)
+    xs = x / scale
+    width = x.shape[1]
+    best: tuple[float, np.ndarray] = (math.inf, np.zeros(width))
+    for k in range(1, width + 1):
+        for cols in itertools.combinations(range(width), k):
+            sol, *_ = np.linalg.lstsq(xs[:, cols], t, rcond=None)
+            if np.any(sol < 0):
+                continue
+            coef = np.zeros(width)
+            coef[list(cols)] = sol
+            sse = float(np.sum((xs @ coef - t) ** 2))
+            if sse < best[0]:
+                best = (sse, coef)
+    sse, coef = best
+    if not math.isfinite(sse):
+        coef, sse = np.zeros(width), float(np.sum(t**2))
+    return PolyFit(tuple(float(c) for c in coef / scale), math.sqrt(sse / len(t)), len(t))
+
+
+@dataclass(frozen=True, slots=True)
+class FittedCostModel:
+    prefill: PolyFit
+    decode: PolyFit
+
+    def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        cached = min(max(cached_tokens, 0), max(prompt_tokens, 0))
+        return self.prefill(prefill_features(float(max(prompt_tokens, 0)), float(cached)))
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        return self.decode(decode_features(float(max(batch, 0)), float(max(context_tokens, 0))))
+
+
+def _sample(s: Mapping[str, Any], x: str, z: str) -> tuple[float, float, float]:
+    return float(s[x]), float(s[z]), float(s["seconds"])
+
+
+def parse_profile(doc: Mapping[str, Any]) -> FittedCostModel:
+    """Fit a cost model to a profile document (already `json.load`-ed; reading is I/O).
+
+    Schema `mooncake.profile/1` (written by the engine profiler)::
+
+        {"schema": "mooncake.profile/1", "model": "...", "device": "...",
+         "prefill": [{"prompt_tokens": int, "cached_tokens": int, "seconds": float}, ...],
+         "decode":  [{"batch": int, "context_tokens": int, "seconds": float}, ...]}
+
+    `cached_tokens` ≤ `prompt_tokens` are reused from cache (their load time included in
+    `seconds`); `context_tokens` is the KV length summed over the batch for one step.
+    """
+    if doc.get("schema", PROFILE_SCHEMA) != PROFILE_SCHEMA:
+        raise ValueError(f"unsupported profile schema {doc.get('schema')!r}")
+    pre = [_sample(s, "prompt_tokens", "cached_tokens") for s in doc["prefill"]]
+    dec = [_sample(s, "batch", "context_tokens") for s in doc["decode"]]
+    if any(c > p or c < 0 for p, c, _ in pre):
+        raise ValueError("prefill samples need 0 <= cached_tokens <= prompt_tokens")
+    return FittedCostModel(
+        prefill=fit_nonnegative([prefill_features(p, c) for p, c, _ in pre], [s for *_, s in pre]),
+        decode=fit_nonnegative([decode_features(b, c) for b, c, _ in dec], [s for *_, s in dec]),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """What the Conductor needs to predict: one value passed down, never a global."""
+
+    prefill: PrefillModel
+    decode: DecodeModel
+    transfer: TransferModel
+
+
+def reference_costs(hw: Hardware = A800_X8, model: ModelShape = LLAMA3_70B) -> Costs:
+    analytic = AnalyticCostModel(model, hw)
+    return Costs(analytic, analytic, TransferModel.for_hardware(model, hw))
