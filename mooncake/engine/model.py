@@ -1,0 +1,177 @@
+"""A LLaMA-family decoder (RMSNorm, RoPE, GQA, SwiGLU) that knows nothing about caching.
+
+Attention over past tokens is delegated to an `AttentionBackend` (prefill of one sequence,
+batched decode of many): the decoder computes q, k, v for the new tokens, applies RoPE, and
+hands them to the backend, which stores k and v wherever it keeps the KV and returns the
+attention output. Hooks run around every layer so a caller can stream KV layer by layer.
+
+RoPE uses the Hugging Face "rotate half" layout (dims i and i + d/2 form a pair); loaders for
+files written in the interleaved layout (GGUF) undo that permutation on load.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mooncake.engine.spec import ModelSpec
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, heads, S, D] and the new k, v [B, kv_heads, S, D] (RoPE applied);
+        returns the attention output [B, heads, S, D]."""
+        ...
+
+
+class LayerHooks(Protocol):
+    def before_layer(self, layer: int) -> None:
+        """Runs before layer `layer` reads any KV: wait here for its prefix KV to be loaded
+        (and start loading the next layer's)."""
+        ...
+
+    def after_layer(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Runs once layer `layer`'s new k, v [B, kv_heads, S, D] are computed and stored:
+        start saving them here."""
+        ...
+
+
+class NoHooks:
+    def before_layer(self, layer: int) -> None:
+        return None
+
+    def after_layer(self, layer: int, k: Tensor, v: Tensor) -> None:
+        return None
+
+
+NO_HOOKS = NoHooks()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 whatever the activation dtype, as the reference models do.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, S, D]; cos, sin [B, 1, S, R] with R <= D rotary dims (the rest pass through)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention; mask is boolean [B or 1, 1, S, T], True = may attend."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        hd, h = spec.head_dim, spec.hidden
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, hd
+        self.attn_norm = RMSNorm(h, spec.rms_eps)
+        self.q = nn.Linear(h, spec.heads * hd, bias=False)
+        self.k = nn.Linear(h, spec.kv_heads * hd, bias=False)
+        self.v = nn.Linear(h, spec.kv_heads * hd, bias=False)
+        self.o = nn.Linear(spec.heads * hd, h, bias=False)
+        self.ffn_norm = RMSNorm(h, spec.rms_eps)
+        self.gate = nn.Linear(h, spec.ffn, bias=False)
+        self.up = nn.Linear(h, spec.ffn, bias=False)
+        self.down = nn.Linear(spec.ffn, h, bias=False)
+
+    def _split(self, x: Tensor, heads: int) -> Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, backend: AttentionBackend
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns the new hidden state and this layer's new k, v."""
+        h = self.attn_norm(x)
+        q = apply_rope(self._split(self.q(h), self.heads), cos, sin)
+        k = apply_rope(self._split(self.k(h), self.kv_heads), cos, sin)
+        v = self._split(self.v(h), self.kv_heads)
+        out = backend(layer, q, k, v)
+        b, _, s, _ = out.shape
+        x = x + self.o(out.transpose(1, 2).reshape(b, s, -1))
+        h = self.ffn_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h)), k, v
+
+
+class Decoder(nn.Module):
+    inv_freq: Tensor
+    rope_freq_factors: Tensor
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.layers))
+        self.norm = RMSNorm(spec.hidden, spec.rms_eps)
+        self.lm_head = (
+            None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+        )
+        rot = spec.rotary_dim
+        inv_freq = 1.0 / (spec.rope_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # Per-frequency divisors (LLaMA 3 style scaling; GGUF `rope_freqs.weight`), 1 = none.
+        self.register_buffer("rope_freq_factors", torch.ones(rot // 2), persistent=True)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [B, S] -> cos, sin [B, 1, S, rotary_dim] in the activation dtype."""
+        pos = positions.to(torch.float32) / self.spec.rope_scaling.factor
+        inv = self.inv_freq / self.rope_freq_factors
+        freqs = pos[..., None] * inv
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        backend: AttentionBackend,
+        hooks: LayerHooks = NO_HOOKS,
+        last_only: bool = True,
+    ) -> Tensor:
+        """tokens, positions [B, S] -> logits [B, V] (last position) or [B, S, V]."""
+        x = self.embed(tokens)
+        cos, sin = self.rope(positions)
+        for i, block in enumerate(self.layers):
+            hooks.before_layer(i)
+            x, k, v = block(x, cos, sin, i, backend)
+            hooks.after_layer(i, k, v)
+        if last_only:
+            x = x[:, -1]
+        x = self.norm(x)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()
