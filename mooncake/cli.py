@@ -8,13 +8,17 @@ import logging
 import signal
 import sys
 import time
-from typing import Annotated
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from mooncake.config import Settings, load_settings
+
+if TYPE_CHECKING:
+    from mooncake.events import SamplingParams
 
 app = typer.Typer(help="mooncake: KVCache-centric disaggregated LLM serving", no_args_is_help=True)
 db_app = typer.Typer(help="The Postgres record: migrations, checks, rebuilds", no_args_is_help=True)
@@ -23,10 +27,19 @@ bench_app = typer.Typer(
 )
 app.add_typer(db_app, name="db")
 app.add_typer(bench_app, name="bench")
+simulate_app = typer.Typer(
+    help="Discrete-event simulation of the paper's systems on traces", no_args_is_help=True
+)
+app.add_typer(simulate_app, name="simulate")
 console = Console()
 err = Console(stderr=True)
 
 WORKERS = ("recorder", "conductor")
+
+
+class Until(StrEnum):
+    ADMITTED = "admitted"
+    FINISHED = "finished"
 
 
 def _settings() -> Settings:
@@ -142,6 +155,9 @@ def submit(
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the outcome")] = 30.0,
     raw: Annotated[bool, typer.Option("--json", help="Print each reply as JSON")] = False,
+    until: Annotated[
+        Until, typer.Option(help="Stop at the admission decision, or when the request ends")
+    ] = Until.FINISHED,
 ) -> None:
     """Publish a request to mc.req.submitted and print what comes back."""
     from mooncake.events import SamplingParams
@@ -151,16 +167,24 @@ def submit(
         err.print("[red]the prompt is empty[/red]")
         raise typer.Exit(2)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    asyncio.run(_submit(settings, prompt, params, timeout, raw))
+    asyncio.run(_submit(settings, prompt, params, timeout, raw, until))
 
 
 async def _submit(
-    settings: Settings, prompt: str, params: object, wait_s: float, raw: bool
+    settings: Settings,
+    prompt: str,
+    params: SamplingParams,
+    wait_s: float,
+    raw: bool,
+    until: Until,
 ) -> None:
     import nats
 
+    from mooncake.client import TERMINAL_TYPES
     from mooncake.client import submit as do_submit
     from mooncake.events import Namespace
+
+    stop_at = TERMINAL_TYPES | {"request.admitted"} if until is Until.ADMITTED else TERMINAL_TYPES
 
     try:
         nc = await nats.connect(settings.nats_url, connect_timeout=3, max_reconnect_attempts=1)
@@ -172,7 +196,14 @@ async def _submit(
     got = False
     try:
         ns = Namespace(settings.namespace)
-        replies = do_submit(nc, prompt, ns=ns, params=params, timeout_s=wait_s)  # type: ignore[arg-type]
+        replies = do_submit(
+            nc,
+            prompt,
+            ns=ns,
+            params=params,
+            timeout_s=wait_s,
+            until=stop_at,  # type: ignore[arg-type]
+        )
         async for body in replies:
             got = True
             if raw:
@@ -303,6 +334,58 @@ def _print_result(title: str, result: dict[str, object], as_json: bool) -> None:
     for k, v in result.items():
         table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(table)
+
+
+# --- simulate ---------------------------------------------------------------------------------
+
+
+@simulate_app.command("run")
+def simulate_run(
+    trace: Annotated[str, typer.Option(help="Trace JSONL file")],
+    system: Annotated[str, typer.Option(help="mooncake|vllm|vllm-prefix|vllm-chunked")] = (
+        "mooncake"
+    ),
+    policy: Annotated[str, typer.Option(help="Admission: none|baseline|early|predicted")] = (
+        "early"
+    ),
+    speed: Annotated[float, typer.Option(help="Replay speed factor")] = 1.0,
+    limit: Annotated[int | None, typer.Option(help="First N requests only")] = None,
+    prefill: Annotated[int, typer.Option(help="mooncake prefill instances")] = 8,
+    decode: Annotated[int, typer.Option(help="mooncake decode instances")] = 8,
+    instances: Annotated[int, typer.Option(help="Colocated baseline instances")] = 16,
+    seed: Annotated[int, typer.Option()] = 0,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Replay one trace through one system configuration and print its metrics."""
+    from mooncake.sim.cli_support import run_one
+
+    try:
+        result = run_one(
+            trace, system, policy, speed=speed, limit=limit, prefill=prefill,
+            decode=decode, instances=instances, seed=seed,
+        )  # fmt: skip
+    except (ValueError, OSError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    _print_result("simulate run", result, as_json)
+
+
+@simulate_app.command("paper")
+def simulate_paper(
+    quick: Annotated[bool, typer.Option("--quick", help="Trace prefixes only (< 60 s)")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    out: Annotated[str | None, typer.Option(help="Write Markdown tables + CSV here")] = None,
+    traces: Annotated[str | None, typer.Option(help="Traces dir (default ../shared)")] = None,
+    speed: Annotated[float, typer.Option(help="Speed of the capacity runs")] = 1.0,
+) -> None:
+    """Regenerate the paper's experiments (PAPER.md §3, §5, §7) in one command."""
+    from mooncake.sim.cli_support import run_paper_cli
+
+    result = run_paper_cli(quick=quick, out=out, traces=traces, speed=speed, log=err.print)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        console.print_json(json.dumps(result))
 
 
 def main() -> None:  # pragma: no cover - console entry point

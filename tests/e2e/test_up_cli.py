@@ -49,7 +49,10 @@ def test_up_submit_and_clean_shutdown(tmp_path: Path) -> None:
         answer = ""
         for _ in range(3):  # the workers may still be starting
             res = subprocess.run(
-                _mooncake("submit", "What is the capital of France?", "--timeout", "20"),
+                _mooncake(
+                    "submit", "What is the capital of France?", "--timeout", "20",
+                    "--until", "admitted",
+                ),
                 cwd=tmp_path, env=sub_env, capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             answer = res.stdout + res.stderr
