@@ -202,7 +202,7 @@ async def _submit(
             ns=ns,
             params=params,
             timeout_s=wait_s,
-            until=stop_at,  # type: ignore[arg-type]
+            until=stop_at,
         )
         async for body in replies:
             got = True
