@@ -1,0 +1,62 @@
+"""Scores over a finished run (PAPER.md §5, §7).
+
+- effective request capacity at TBT threshold X: the share of *all* requests (rejected ones
+  count as failures) with TTFT <= the TTFT limit and TBT score <= X;
+- goodput: requests that finished inside both SLOs (the run's TTFT and TBT limits);
+- hit rate: prefix tokens reused / prompt tokens, over the requests that were prefilled;
+- prefill compute: summed GPU seconds of prefill (transfers excluded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mooncake.sim.request import SimRequest, tbt_score
+
+TBT_THRESHOLDS_MS = (100, 200, 300)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def summarize(reqs: list[SimRequest], ttft_slo_s: float, tbt_slo_s: float) -> dict[str, Any]:
+    n = len(reqs)
+    done = [r for r in reqs if r.done and r.rejected is None]
+    prefilled = [r for r in reqs if r.first_token_at is not None]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    tbts = [tbt_score(r.gaps) for r in done]
+    ok_ttft = [r.ttft is not None and r.ttft <= ttft_slo_s for r in done]
+    capacity = {
+        str(ms): sum(1 for ok, t in zip(ok_ttft, tbts, strict=True) if ok and t <= ms / 1e3)
+        / max(n, 1)
+        for ms in TBT_THRESHOLDS_MS
+    }
+    prompt = sum(r.prompt for r in prefilled)
+    reused = sum(r.reused_tokens for r in prefilled)
+    goodput = sum(1 for ok, t in zip(ok_ttft, tbts, strict=True) if ok and t <= tbt_slo_s)
+    return {
+        "requests": n,
+        "completed": len(done),
+        "rejected": sum(1 for r in reqs if r.rejected is not None),
+        "wasted_prefills": sum(1 for r in reqs if r.wasted_prefill),
+        "goodput": goodput,
+        "effective_capacity": capacity,
+        "ttft_mean_s": _mean(ttfts),
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p99_s": _pct(ttfts, 0.99),
+        "tbt_mean_s": _mean(tbts),
+        "tbt_p50_s": _pct(tbts, 0.5),
+        "tbt_p90_s": _pct(tbts, 0.9),
+        "prefill_compute_s": sum(r.prefill_compute_s for r in prefilled),
+        "hit_rate": reused / prompt if prompt else 0.0,
+        "reused_tokens": reused,
+        "prompt_tokens": prompt,
+    }

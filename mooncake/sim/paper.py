@@ -1,0 +1,191 @@
+"""`mooncake simulate paper`: the paper's experiments (PAPER.md §3, §5, §7) on the shared
+traces, through the simulator. Each experiment returns plain numbers; `report.py` turns them
+into Markdown. `quick` replays a prefix of each trace (the first `QUICK_LIMITS` requests).
+
+1. hit rate, global pool vs per-node local caches (FAST'25 Fig. 10): 10 prefill nodes of
+   3 M tokens each; `local` = local caches behind a cache-unaware load balancer (how the
+   paper's vLLM-style baselines route), `local_cache_aware` = local caches with the
+   Conductor choosing by local prefix only;
+2. effective request capacity (FAST'25 Fig. 7): mooncake 8P+8D vs 16 colocated instances;
+3. scheduling (FAST'25 Fig. 5): random / load-balancing / local / global cache-aware, TTFT;
+4. overload (arXiv v3 Table 3): 8P+8D, trace at 2x, baseline / early / predicted; plus a
+   decode-bound variant (8P+2D, TBT SLO 30 ms) where the decode load matters;
+5. P:D ratio on 16 nodes (synthetic trace, TTFT 10 s, TBT 100 ms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mooncake
+from mooncake.core.admission import Policy
+from mooncake.sim.runner import SYSTEMS, SimConfig, SimResult, run_simulation
+from mooncake.trace import TraceRequest, load_trace
+
+# mooncake/__init__.py -> parents[2] is the directory holding the repo (and shared/).
+TRACES = Path(mooncake.__file__).resolve().parents[2] / "shared" / "traces"
+TRACE_NAMES = ("conversation", "synthetic")
+QUICK_LIMITS = {"conversation": 1500, "synthetic": 800}
+OVERLOAD_POLICIES: tuple[Policy, ...] = ("baseline", "early", "predicted")
+Log = Callable[[str], None]
+Traces = dict[str, list[TraceRequest]]
+
+
+def load_traces(traces_dir: Path, quick: bool) -> Traces:
+    return {
+        name: load_trace(
+            traces_dir / f"{name}_trace.jsonl", limit=QUICK_LIMITS[name] if quick else None
+        )
+        for name in TRACE_NAMES
+    }
+
+
+def _r(x: float, n: int = 4) -> float:
+    return round(x, n)
+
+
+def hit_rate(traces: Traces, log: Log) -> dict[str, Any]:
+    base = SimConfig(prefill_instances=10, decode_instances=10, policy="none")
+    variants = {
+        "global": base,
+        "local": dataclasses.replace(base, cache_scope="local", scheduler="load-balance"),
+        "local_cache_aware": dataclasses.replace(base, cache_scope="local"),
+    }
+    out: dict[str, Any] = {}
+    for name, trace in traces.items():
+        res = {k: run_simulation(trace, cfg).metrics for k, cfg in variants.items()}
+        hits = {k: _r(m["hit_rate"]) for k, m in res.items()}
+        pre = {k: round(m["prefill_compute_s"], 1) for k, m in res.items()}
+        out[name] = {
+            **hits,
+            "ratio": _r(hits["global"] / max(hits["local"], 1e-9), 3),
+            "ratio_cache_aware": _r(hits["global"] / max(hits["local_cache_aware"], 1e-9), 3),
+            "prefill_s": pre,
+            "prefill_ratio": _r(pre["global"] / max(pre["local"], 1e-9), 3),
+            "prefill_ratio_cache_aware": _r(pre["global"] / max(pre["local_cache_aware"], 1e-9), 3),
+        }
+        log(f"hit rate {name}: {hits}")
+    return out
+
+
+def capacity(traces: Traces, speed: float, log: Log) -> dict[str, Any]:
+    caps: dict[str, Any] = {}
+    prefill: dict[str, Any] = {}
+    detail: dict[str, Any] = {}
+    for name, trace in traces.items():
+        caps[name], prefill[name], detail[name] = {}, {}, {}
+        for system in SYSTEMS:
+            m = run_simulation(trace, SimConfig(system=system, speed=speed)).metrics
+            caps[name][system] = {k: _r(v) for k, v in m["effective_capacity"].items()}
+            prefill[name][system] = round(m["prefill_compute_s"], 1)
+            detail[name][system] = {
+                "ttft_mean_s": _r(m["ttft_mean_s"], 3),
+                "ttft_p99_s": _r(m["ttft_p99_s"], 3),
+                "tbt_p50_s": _r(m["tbt_p50_s"], 4),
+                "tbt_p90_s": _r(m["tbt_p90_s"], 4),
+                "rejected": m["rejected"],
+                "hit_rate": _r(m["hit_rate"]),
+            }
+            log(f"capacity {name} {system}: {caps[name][system]}")
+    return {"effective_capacity": caps, "prefill_compute_s": prefill, "capacity_detail": detail}
+
+
+def scheduling(trace: list[TraceRequest], speed: float, log: Log) -> dict[str, float]:
+    base = SimConfig(policy="none", speed=speed)
+    variants = {
+        "random": dataclasses.replace(base, scheduler="random", cache_scope="local"),
+        "load-balancing": dataclasses.replace(base, scheduler="load-balance"),
+        "local-cache-aware": dataclasses.replace(base, cache_scope="local"),
+        "global-cache-aware": base,
+    }
+    out = {k: _r(run_simulation(trace, c).metrics["ttft_mean_s"], 3) for k, c in variants.items()}
+    log(f"scheduling mean TTFT: {out}")
+    return out
+
+
+def _corr(xs: list[float], ys: list[float]) -> float:
+    """Pearson correlation; 0 where a series is constant or too short. Anti-phase
+    oscillation of prefill and decode load (PAPER.md §5) shows as a negative value."""
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
+        return 0.0
+
+
+def _overload_row(res: SimResult) -> dict[str, Any]:
+    m = res.metrics
+    pre = [p for _, p, _ in res.load_samples]
+    dec = [d for _, _, d in res.load_samples]
+    return {
+        "rejected": m["rejected"],
+        "by_stage": m["rejections_by_stage"],
+        "wasted_prefills": m["wasted_prefills"],
+        "goodput": m["goodput"],
+        "prefill_load_mean": _r(statistics.fmean(pre)) if pre else 0.0,
+        "decode_load_mean": _r(statistics.fmean(dec)) if dec else 0.0,
+        "decode_load_std": _r(statistics.pstdev(dec)) if dec else 0.0,
+        "prefill_decode_corr": _r(_corr(pre, dec), 3),
+    }
+
+
+def overload(
+    trace: list[TraceRequest], log: Log
+) -> tuple[dict[str, Any], dict[str, list[tuple[float, float, float]]]]:
+    setups = {
+        "paper_8p8d": SimConfig(speed=2.0, sample_every_s=10.0),
+        "decode_bound_8p2d_tbt30ms": SimConfig(
+            speed=2.0, decode_instances=2, tbt_slo_s=0.03, sample_every_s=10.0
+        ),
+    }
+    out: dict[str, Any] = {}
+    samples: dict[str, list[tuple[float, float, float]]] = {}
+    for label, cfg in setups.items():
+        out[label] = {}
+        for pol in OVERLOAD_POLICIES:
+            res = run_simulation(trace, dataclasses.replace(cfg, policy=pol))
+            out[label][pol] = _overload_row(res)
+            samples[f"{label}_{pol}"] = res.load_samples
+        log(f"overload {label}: { {p: r['rejected'] for p, r in out[label].items()} }")
+    return out, samples
+
+
+def pd_ratio(trace: list[TraceRequest], log: Log) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p in (4, 6, 8, 10, 12):
+        cfg = SimConfig(prefill_instances=p, decode_instances=16 - p, ttft_slo_s=10.0)
+        m = run_simulation(trace, cfg).metrics
+        out[f"{p}P{16 - p}D"] = {
+            "goodput": m["goodput"],
+            "rejected": m["rejected"],
+            "ttft_mean_s": _r(m["ttft_mean_s"], 3),
+            "tbt_p90_s": _r(m["tbt_p90_s"], 4),
+        }
+    log(f"P:D sweep: { {k: v['goodput'] for k, v in out.items()} }")
+    return out
+
+
+def run_paper(
+    traces_dir: Path = TRACES, *, quick: bool = False, speed: float = 1.0, log: Log | None = None
+) -> tuple[dict[str, Any], dict[str, list[tuple[float, float, float]]]]:
+    say = log or (lambda _: None)
+    t0 = time.perf_counter()
+    traces = load_traces(traces_dir, quick)
+    result: dict[str, Any] = {
+        "quick": quick,
+        "traces": str(traces_dir),
+        "requests": {k: len(v) for k, v in traces.items()},
+        "capacity_speed": speed,
+        "hit_rate": hit_rate(traces, say),
+    }
+    result.update(capacity(traces, speed, say))
+    result["scheduling_ttft_mean_s"] = scheduling(traces["conversation"], speed, say)
+    result["overload"], samples = overload(traces["conversation"], say)
+    result["rejections"] = {p: r["rejected"] for p, r in result["overload"]["paper_8p8d"].items()}
+    result["pd_ratio"] = pd_ratio(traces["synthetic"], say)
+    result["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    return result, samples
