@@ -1,8 +1,16 @@
 """Continuous batching: sequences join and leave a decode batch between steps.
 
-Each sequence keeps its own KV (`SequenceKV`). A step gathers every sequence's KV of each
-layer into one padded [B, kv_heads, T, head_dim] tensor with a mask (row b sees its own
-positions 0..len_b), so sequences of different lengths decode together in one forward pass.
+The batch keeps every running sequence's KV resident in one tensor per layer,
+[2, slots, kv_heads, capacity, head_dim] (`BatchKV`): a sequence copies its prefilled KV into
+a free slot once, when it joins, and its `SequenceKV` then views that slot, so each step
+writes the new token's k, v in place (one indexed write per layer for the whole batch) and
+attention reads the slots directly, with a mask (row b sees its own positions 0..len_b), so
+sequences of different lengths decode together in one forward pass. A sequence that leaves
+gets a private copy of its KV back and the last slot moves into the hole, so the running
+sequences always fill slots 0..B-1.
+
+`DecodeAttention` is the same step over any list of `SequenceKV` (gathering them into a
+padded tensor per layer); it is kept for callers that drive the decoder by hand.
 """
 
 from __future__ import annotations
@@ -40,6 +48,119 @@ class DecodeAttention:
         return attention(q, keys, values, self.mask)
 
 
+CAPACITY_STEP = 256  # the resident KV grows in multiples of this many tokens
+
+
+class BatchKV:
+    """The resident KV of a decode batch (see the module docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.spec, self.dtype, self.device = engine.spec, engine.model.dtype, engine.device
+        self.layers: list[Tensor] = []
+        self.members: list[SequenceKV] = []
+
+    @property
+    def slots(self) -> int:
+        return self.layers[0].shape[1] if self.layers else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].shape[3] if self.layers else 0
+
+    def _grown(self, need: int) -> int:
+        """Capacity for `need` tokens: doubling, in multiples of CAPACITY_STEP, so that a
+        batch reallocates (and copies every slot) only every so often."""
+        want = max(need, 2 * self.capacity if need > self.capacity else self.capacity)
+        return -(-want // CAPACITY_STEP) * CAPACITY_STEP
+
+    @torch.inference_mode()
+    def _realloc(self, slots: int, capacity: int) -> None:
+        shape = (2, slots, self.spec.kv_heads, capacity, self.spec.head_dim)
+        # Zeros, not empty: masked positions still enter the attention's matmul with V.
+        new = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.spec.layers)
+        ]
+        n, used = len(self.members), min(self.capacity, capacity)
+        for old, grown in zip(self.layers, new, strict=False):
+            grown[:, :n, :, :used] = old[:, :n, :, :used]
+        self.layers = new
+        for i, kv in enumerate(self.members):
+            self._point(i, kv)
+
+    def _point(self, slot: int, kv: SequenceKV) -> None:
+        kv.layers = [t[:, slot] for t in self.layers]
+
+    def _attached(self, slot: int, kv: SequenceKV) -> bool:
+        return kv.layers[0].data_ptr() == self.layers[0][:, slot].data_ptr()
+
+    @torch.inference_mode()
+    def join(self, kv: SequenceKV) -> None:
+        n = len(self.members)
+        need = kv.length + 1
+        if n + 1 > self.slots or need > self.capacity:
+            self._realloc(max(n + 1, 2 * self.slots, 4), self._grown(need))
+        self._copy_in(n, kv)
+        self.members.append(kv)
+
+    def _copy_in(self, slot: int, kv: SequenceKV) -> None:
+        n = kv.length
+        for t, own in zip(self.layers, kv.layers, strict=True):
+            t[:, slot, :, :n] = own[:, :, :n]
+        self._point(slot, kv)
+
+    @torch.inference_mode()
+    def leave(self, kv: SequenceKV) -> None:
+        """Give `kv` a private copy of its KV and close the hole with the last slot."""
+        slot = next(i for i, m in enumerate(self.members) if m is kv)
+        keep = max(kv.length, 1)
+        kv.layers = [t[:, slot, :, :keep].clone() for t in self.layers]
+        last = len(self.members) - 1
+        if slot != last:
+            moved = self.members[last]
+            n = moved.length
+            for t in self.layers:
+                t[:, slot, :, :n] = t[:, last, :, :n]
+            self.members[slot] = moved
+            self._point(slot, moved)
+        self.members.pop()
+
+    @torch.inference_mode()
+    def prepare(self) -> None:
+        """Before a step: room for one more token per sequence, and every member still
+        attached (a caller that grew a member's KV by hand gets it copied back in)."""
+        need = max(kv.length for kv in self.members) + 1
+        if need > self.capacity:
+            self._realloc(self.slots, self._grown(need))
+        for i, kv in enumerate(self.members):
+            if not self._attached(i, kv):
+                self._copy_in(i, kv)
+
+
+class SlotAttention:
+    """DecodeAttention over a `BatchKV`: sequence b is slot b."""
+
+    def __init__(self, kv: BatchKV) -> None:
+        self.layers = kv.layers
+        lengths = [m.length for m in kv.members]
+        self.total = max(lengths) + 1
+        device = kv.device
+        self.rows = torch.arange(len(lengths), device=device)
+        self.pos = torch.tensor(lengths, device=device)
+        cols = torch.arange(self.total, device=device)[None, :]
+        # All of one length (batch 1, say): every row sees every key, no mask needed.
+        self.mask: Tensor | None = None
+        if min(lengths) != max(lengths):
+            self.mask = (cols <= self.pos[:, None])[:, None, None, :]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        t = self.layers[layer]
+        b = q.shape[0]
+        t[:, self.rows, :, self.pos] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)
+        keys, values = t[0, :b, :, : self.total], t[1, :b, :, : self.total]
+        return attention(q, keys, values, self.mask, causal=False)
+
+
 @dataclass
 class Sequence:
     id: str
@@ -65,6 +186,8 @@ class DecodeBatch:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.running: dict[str, Sequence] = {}
+        self.kv = BatchKV(engine)
+        self.slots: list[Sequence] = []  # slot order, parallel to self.kv.members
 
     def add(self, seq_id: str, prefilled: Prefilled, params: SamplingParams) -> Completion | None:
         """Join the batch with the first token sampled from the prefill logits; returns the
@@ -76,6 +199,8 @@ class DecodeBatch:
         logits = prefilled.logits if prefilled.logits.dim() == 1 else prefilled.logits[-1]
         gen = make_generator(params, self.engine.device)
         seq = Sequence(seq_id, prefilled.kv, params, gen, len(prefilled.tokens))
+        self.kv.join(seq.kv)
+        self.slots.append(seq)
         self.running[seq_id] = seq
         done = self._accept(seq, sample(logits, params, gen))
         return done[0] if done else None
@@ -87,17 +212,18 @@ class DecodeBatch:
     def step(self) -> list[Completion]:
         """Decode one token for every running sequence; returns those that finished (and
         left the batch)."""
-        seqs = list(self.running.values())
+        seqs = list(self.slots)
         if not seqs:
             return []
         device = self.engine.device
+        self.kv.prepare()
         ids = torch.tensor([[s.output[-1]] for s in seqs], device=device)
-        positions = torch.tensor([[s.kv.length] for s in seqs], device=device)
-        backend = DecodeAttention([s.kv for s in seqs], device)
-        logits = self.engine.model(ids, positions, backend)
+        backend = SlotAttention(self.kv)
+        logits = self.engine.model(ids, backend.pos[:, None], backend)
         finished: list[Completion] = []
-        for i, s in enumerate(seqs):
+        for s in seqs:  # every length first: a leaving sequence moves another's slot
             s.kv.length += 1
+        for i, s in enumerate(seqs):
             finished += self._accept(s, sample(logits[i], s.params, s.generator))
         return finished
 
@@ -107,7 +233,7 @@ class DecodeBatch:
         if token in p.stop_token_ids or token in eos:
             return [self._finish(seq, "stop")]
         seq.output.append(token)
-        if tok is not None:
+        if tok is not None and p.stop:  # without stop strings the text is made at the end
             seq.text = tok.decode(seq.output)
             cut = min((i for s in p.stop if (i := seq.text.find(s)) >= 0), default=-1)
             if cut >= 0:
@@ -120,7 +246,15 @@ class DecodeBatch:
 
     def _finish(self, seq: Sequence, reason: str) -> Completion:
         seq.finish_reason = reason
+        tok = self.engine.tokenizer
+        if tok is not None and not seq.params.stop:
+            seq.text = tok.decode(seq.output)
         del self.running[seq.id]
+        slot = self.slots.index(seq)
+        self.kv.leave(seq.kv)
+        last = self.slots.pop()
+        if last is not seq:
+            self.slots[slot] = last
         return Completion(seq.id, list(seq.output), seq.text, reason, seq.prompt_tokens)
 
 

@@ -35,13 +35,20 @@ class PrefillAttention:
 
     def __init__(self, kv: SequenceKV, start: int, new: int, device: torch.device) -> None:
         self.kv, self.start = kv, start
-        rows = torch.arange(start, start + new, device=device)[:, None]
-        cols = torch.arange(start + new, device=device)[None, :]
-        self.mask = (cols <= rows)[None, None]
+        self.mask: Tensor | None = None  # nothing cached: plain causal attention
+        if start:
+            rows = torch.arange(start, start + new, device=device)[:, None]
+            cols = torch.arange(start + new, device=device)[None, :]
+            self.mask = (cols <= rows)[None, None]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         end = self.start + k.shape[2]
         self.kv.write(layer, self.start, k[0], v[0])
+        if q.shape[2] == 1:  # the last position only: it sees every key, no mask
+            keys, values = self.kv.view(layer, end)
+            return attention(q, keys[None], values[None], None, causal=False)
+        if not self.start:
+            return attention(q, k, v, None)
         keys, values = self.kv.view(layer, end)
         return attention(q, keys[None], values[None], self.mask)
 

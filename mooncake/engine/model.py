@@ -23,7 +23,9 @@ from mooncake.engine.spec import ModelSpec
 class AttentionBackend(Protocol):
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B, heads, S, D] and the new k, v [B, kv_heads, S, D] (RoPE applied);
-        returns the attention output [B, heads, S, D]."""
+        returns the attention output [B, heads, S, D]. In the last layer of a prefill that
+        wants only the last position's logits, q holds that position alone (S = 1 while k,
+        v hold all S new positions): it attends to every key."""
         ...
 
 
@@ -49,6 +51,8 @@ class NoHooks:
 
 NO_HOOKS = NoHooks()
 
+SMALL_ROWS = 16  # at most this many rows (decode batches): decode-specific fast paths
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -57,6 +61,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and x.numel() <= SMALL_ROWS * x.shape[-1]:
+            # A decode step: the fused op (same math) saves five kernel calls per norm.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 whatever the activation dtype, as the reference models do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -77,13 +84,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Grouped-query attention; mask is boolean [B or 1, 1, S, T], True = may attend."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = True) -> Tensor:
+    """Grouped-query attention; mask is boolean [B or 1, 1, S, T], True = may attend, or
+    None for plain causal attention of S new tokens over themselves (S == T), which lets the
+    fused kernel skip the masked half (or, with causal=False, attention to every key)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T. For a few rows (a decode step) computed as (weight @ x.T).T: on CPU
+    MKL then streams the weight once for all rows, where `F.linear` with 8 rows costs about
+    1.3x one row over a whole model; prefill's many rows use F.linear."""
+    rows = x.numel() // x.shape[-1]
+    if rows > SMALL_ROWS or x.device.type != "cpu":
+        return F.linear(x, weight)
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        # One row would take MKL's gemv, which streams the weight on one thread: a second
+        # (repeated) row makes it a two-thread gemm, about 2.5x faster here.
+        out = torch.mm(weight, torch.cat((x2, x2)).t())[:, :1].t().contiguous()
+    else:
+        out = torch.mm(weight, x2.t()).t().contiguous()
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class Block(nn.Module):
@@ -105,19 +130,60 @@ class Block(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, heads, self.head_dim).transpose(1, 2)
 
+    def _fused(self, attr: str, parts: tuple[nn.Linear, ...]) -> Tensor:
+        """The weights of `parts` as one [sum of outputs, in] matrix, so one GEMM replaces
+        several (q, k, v; gate, up). The parameters are made views into it, so nothing is
+        stored twice and in-place weight updates (load_state_dict) reach it; it is rebuilt
+        whenever a parameter was replaced (e.g. `.to(device)`)."""
+        fused: Tensor | None = getattr(self, attr, None)
+        if fused is not None and fused.device == parts[0].weight.device:
+            ptr, row = fused.data_ptr(), fused.stride(0) * fused.element_size()
+            for p in parts:
+                if p.weight.data_ptr() != ptr or p.weight.dtype != fused.dtype:
+                    break
+                ptr += p.weight.shape[0] * row
+            else:
+                return fused
+        with torch.inference_mode(False), torch.no_grad():
+            fused = torch.cat([p.weight.detach() for p in parts])
+            offset = 0
+            for p in parts:
+                n = p.weight.shape[0]
+                p.weight.data = fused[offset : offset + n]
+                offset += n
+        setattr(self, attr, fused)
+        return fused
+
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, backend: AttentionBackend
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        layer: int,
+        backend: AttentionBackend,
+        last_only: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns the new hidden state and this layer's new k, v."""
+        """Returns the new hidden state and this layer's new k, v. With `last_only` (the
+        last layer, when only the last position's logits are wanted) k and v are computed
+        for every position but the rest of the layer only for the last one: the backend
+        then gets q of one position, the last, which attends to every key."""
         h = self.attn_norm(x)
-        q = apply_rope(self._split(self.q(h), self.heads), cos, sin)
-        k = apply_rope(self._split(self.k(h), self.kv_heads), cos, sin)
-        v = self._split(self.v(h), self.kv_heads)
+        qkv = linear(h, self._fused("_qkv", (self.q, self.k, self.v)))
+        nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
+        if last_only and x.shape[1] > 1:
+            x, q, cos_q, sin_q = x[:, -1:], q[:, -1:], cos[:, :, -1:], sin[:, :, -1:]
+        else:
+            cos_q, sin_q = cos, sin
+        q = apply_rope(self._split(q, self.heads), cos_q, sin_q)
+        k = apply_rope(self._split(k, self.kv_heads), cos, sin)
+        v = self._split(v, self.kv_heads)
         out = backend(layer, q, k, v)
         b, _, s, _ = out.shape
-        x = x + self.o(out.transpose(1, 2).reshape(b, s, -1))
+        x = x + linear(out.transpose(1, 2).reshape(b, s, -1), self.o.weight)
         h = self.ffn_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h)), k, v
+        gate, up = linear(h, self._fused("_gate_up", (self.gate, self.up))).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down.weight), k, v
 
 
 class Decoder(nn.Module):
@@ -166,12 +232,13 @@ class Decoder(nn.Module):
         """tokens, positions [B, S] -> logits [B, V] (last position) or [B, S, V]."""
         x = self.embed(tokens)
         cos, sin = self.rope(positions)
+        last = len(self.layers) - 1
         for i, block in enumerate(self.layers):
             hooks.before_layer(i)
-            x, k, v = block(x, cos, sin, i, backend)
+            x, k, v = block(x, cos, sin, i, backend, last_only and i == last)
             hooks.after_layer(i, k, v)
         if last_only:
             x = x[:, -1]
         x = self.norm(x)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        return linear(x, head).float()

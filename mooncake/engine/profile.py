@@ -1,0 +1,149 @@
+"""`mooncake profile engine`: measure the real engine for the Conductor's cost model.
+
+Two grids, each point the median of `reps` timings after one warm-up:
+
+- prefill over (prompt length L, cached prefix P): P whole blocks of the prompt are handed to
+  `Engine.prefill` as cached KV (built from block tensors, as a store hit would be; that
+  build is inside the clock, since the schema counts the load time in `seconds`) and the
+  remaining L - P tokens are computed. Only P < L that are whole blocks are measured.
+- decode over (batch B, context C): B sequences of C tokens of KV each run one
+  continuous-batching step (`DecodeBatch.step`, sampling included). The sequences share one
+  prefill (their KV is copied), so the grid costs one prefill per context, not B.
+
+The document is `mooncake.profile/1` (`mooncake.core.cost_model.parse_profile`):
+`context_tokens` is the KV length summed over the batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mooncake.engine.batch import DecodeBatch
+from mooncake.engine.engine import Engine, Prefilled
+from mooncake.engine.errors import EngineError
+from mooncake.engine.kv import SequenceKV
+from mooncake.engine.sampling import SamplingParams
+from mooncake.trace import block_tokens
+
+PROFILE_SCHEMA = "mooncake.profile/1"  # the schema mooncake.core.cost_model parses
+
+DEFAULT_PROMPTS = (256, 512, 1024, 2048)
+DEFAULT_CACHED = (0, 256, 512, 1024, 1536)
+DEFAULT_BATCHES = (1, 2, 4, 8)
+DEFAULT_CONTEXTS = (128, 512, 1024, 2048)
+
+Log = Callable[[str], None]
+
+
+def _tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return [int(t) for t in block_tokens(seed, n, vocab, seed=4321)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(fn: Callable[[], float], reps: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(reps))
+
+
+def _copy_kv(kv: SequenceKV) -> SequenceKV:
+    out = SequenceKV(kv.spec, kv.dtype, kv.device, capacity=1)
+    with torch.inference_mode():
+        out.layers = [t.clone() for t in kv.layers]
+    out.length = kv.length
+    return out
+
+
+def profile_prefill(
+    engine: Engine, prompts: Sequence[int], cached: Sequence[int], reps: int, log: Log
+) -> list[dict[str, Any]]:
+    dev, bt, vocab = engine.device, engine.block_tokens, engine.spec.vocab_size
+    rows: list[dict[str, Any]] = []
+    for length in prompts:
+        engine.check_tokens([0] * length)
+        tokens = _tokens(length, vocab, length)
+        points = sorted({p for p in cached if p % bt == 0 and 0 <= p < length})
+        blocks = engine.blocks(engine.prefill(tokens).kv) if any(points) else []
+        for prefix in points:
+            use = blocks[: prefix // bt]
+
+            def once(use: list[torch.Tensor] = use, tokens: list[int] = tokens) -> float:
+                _sync(dev)
+                t0 = time.perf_counter()
+                engine.prefill(tokens, prefix=engine.prefix_from_blocks(use) if use else None)
+                _sync(dev)
+                return time.perf_counter() - t0
+
+            seconds = _median(once, reps)
+            log(f"prefill {length} tokens, {prefix} cached: {seconds * 1e3:.1f} ms")
+            rows.append({"prompt_tokens": length, "cached_tokens": prefix, "seconds": seconds})
+    return rows
+
+
+def profile_decode(
+    engine: Engine, batches: Sequence[int], contexts: Sequence[int], reps: int, log: Log
+) -> list[dict[str, Any]]:
+    dev, vocab = engine.device, engine.spec.vocab_size
+    rows: list[dict[str, Any]] = []
+    steps = reps + 1  # one warm-up step, then `reps` timed ones
+    for context in contexts:
+        engine.check_tokens([0] * context, extra=steps + 1)
+        base = engine.prefill(_tokens(context, vocab, 7 + context))
+        for batch_size in batches:
+            batch = DecodeBatch(engine)
+            params = SamplingParams(max_tokens=steps + 2, stop_on_eos=False)
+            for i in range(batch_size):
+                copy = Prefilled(base.tokens, _copy_kv(base.kv), base.logits, 0)
+                batch.add(str(i), copy, params)
+            times = []
+            for _ in range(steps):
+                _sync(dev)
+                t0 = time.perf_counter()
+                batch.step()
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times[1:])
+            log(f"decode batch {batch_size}, context {context}: {seconds * 1e3:.2f} ms/step")
+            rows.append(
+                {"batch": batch_size, "context_tokens": batch_size * context, "seconds": seconds}
+            )
+    return rows
+
+
+def profile_engine(
+    engine: Engine,
+    *,
+    model_name: str,
+    prompts: Sequence[int] = DEFAULT_PROMPTS,
+    cached: Sequence[int] = DEFAULT_CACHED,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    reps: int = 3,
+    log: Log = lambda _: None,
+) -> dict[str, Any]:
+    """A `mooncake.profile/1` document for `engine` over the given grids."""
+    if reps < 1:
+        raise EngineError("reps must be at least 1")
+    if not prompts or not batches or not contexts or any(b < 1 for b in batches):
+        raise EngineError("the prefill and decode grids need at least one point each")
+    dev = engine.device
+    device = (
+        torch.cuda.get_device_name(dev)
+        if dev.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} torch threads)"
+    )
+    return {
+        "schema": PROFILE_SCHEMA,
+        "model": model_name,
+        "device": f"{device}, {str(engine.model.dtype).removeprefix('torch.')}",
+        "prefill": profile_prefill(engine, prompts, cached, reps, log),
+        "decode": profile_decode(engine, batches, contexts, reps, log),
+    }

@@ -1,0 +1,52 @@
+"""The engine's fast paths keep the plain semantics: fused q/k/v and gate/up weights follow
+weight updates, the weight-major GEMM for few rows equals F.linear, and the batch's
+resident KV survives slot moves and capacity growth."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mooncake.engine import DecodeBatch, Engine, ModelSpec, SamplingParams, dummy_model, generate
+from mooncake.engine.batch import CAPACITY_STEP
+
+SPEC = ModelSpec(vocab_size=50, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, context=700)
+
+
+def test_fused_weights_follow_load_state_dict() -> None:
+    a, b = dummy_model(SPEC, seed=1), dummy_model(SPEC, seed=2)
+    tokens = list(range(1, 12))
+    first = Engine(a).prefill(tokens).logits  # builds a's fused weights
+    a.load_state_dict(b.state_dict())
+    assert torch.equal(Engine(a).prefill(tokens).logits, Engine(b).prefill(tokens).logits)
+    assert not torch.equal(first, Engine(a).prefill(tokens).logits)
+
+
+def test_small_row_linear_matches_f_linear() -> None:
+    from mooncake.engine.model import linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 40, generator=g)
+    for shape in ((1, 40), (3, 1, 40), (8, 40), (2, 20, 40)):
+        x = torch.randn(shape, generator=g)
+        assert torch.allclose(linear(x, w), F.linear(x, w), atol=1e-5)
+
+
+def test_batch_kv_slot_moves_and_growth_match_alone() -> None:
+    engine = Engine(dummy_model(SPEC, std=0.3))
+    g = torch.Generator().manual_seed(5)
+    # One prompt ends just before the capacity step, so decoding crosses it (reallocation).
+    lengths = (CAPACITY_STEP - 3, 7, 40, 90)
+    prompts = [[int(t) for t in torch.randint(0, 50, (n,), generator=g)] for n in lengths]
+    limits = (12, 3, 9, 5)  # leave at different steps: the last slot moves into each hole
+    params = [SamplingParams(max_tokens=m, stop_on_eos=False) for m in limits]
+    alone = [generate(engine, [p], [s])[0].tokens for p, s in zip(prompts, params, strict=True)]
+    batch = DecodeBatch(engine)
+    done: dict[str, list[int]] = {}
+    for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
+        batch.add(str(i), engine.prefill(p), s)
+        done.update((c.id, c.tokens) for c in batch.step())  # join between steps
+    while len(batch):
+        done.update((c.id, c.tokens) for c in batch.step())
+    assert [done[str(i)] for i in range(4)] == alone
+    assert batch.kv.capacity >= 2 * CAPACITY_STEP and not batch.kv.members

@@ -1,0 +1,64 @@
+"""`mooncake profile engine` on a tiny dummy model: the JSON it writes is one the
+Conductor's cost model fits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from mooncake.cli import app
+from mooncake.core.cost_model import PROFILE_SCHEMA, parse_profile
+from mooncake.engine import Engine, ModelSpec, dummy_model
+from mooncake.engine.profile import profile_engine
+
+SPEC = ModelSpec(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, context=256)
+
+
+def test_small_grid_profile_fits() -> None:
+    engine = Engine(dummy_model(SPEC), block_tokens=16)
+    doc = profile_engine(
+        engine,
+        model_name="tiny",
+        prompts=(32, 64),
+        cached=(0, 16, 32, 48, 70),  # 48 and 70 skipped where not < prompt or not whole blocks
+        batches=(1, 3),
+        contexts=(16, 40),
+        reps=2,
+    )
+    assert doc["schema"] == PROFILE_SCHEMA and set(doc) == {
+        "schema",
+        "model",
+        "device",
+        "prefill",
+        "decode",
+    }
+    pre = {(r["prompt_tokens"], r["cached_tokens"]) for r in doc["prefill"]}
+    assert pre == {(32, 0), (32, 16), (64, 0), (64, 16), (64, 32), (64, 48)}
+    assert {(r["batch"], r["context_tokens"]) for r in doc["decode"]} == {
+        (1, 16),
+        (3, 48),
+        (1, 40),
+        (3, 120),
+    }
+    assert all(r["seconds"] > 0 for r in doc["prefill"] + doc["decode"])
+    model = parse_profile(json.loads(json.dumps(doc)))
+    assert model.prefill_s(64, 0) > 0 and model.decode_step_s(3, 120) > 0
+
+
+def test_cli_writes_the_profile(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    args = [
+        "profile", "engine", "--dummy", "--layers", "1", "--hidden", "32", "--heads", "4",
+        "--kv-heads", "2", "--ffn", "64", "--vocab", "64", "--context", "128",
+        "--prompts", "32", "--cached", "0,16", "--batches", "1,2", "--contexts", "16",
+        "--block-tokens", "16", "--reps", "1", "--out", str(out),
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert len(doc["prefill"]) == 2 and len(doc["decode"]) == 2
+    parse_profile(doc)
+    bad = CliRunner().invoke(app, [*args[:-2], "--prompts", "500", "--out", str(out)])
+    assert bad.exit_code == 2  # longer than the context: a clear error, no traceback
