@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from mooncake.core.cost_model import Costs
 from mooncake.sim.cache import LRUBlocks
+from mooncake.sim.decode import emit_tokens
 from mooncake.sim.loop import EventLoop
 from mooncake.sim.request import SimRequest
 
@@ -107,16 +108,7 @@ class ColocatedWorker:
         self._iterate()
 
     def _decode_tokens(self, now: float) -> None:
-        self.context += len(self.running)
-        keep: list[SimRequest] = []
-        for r in self.running:
-            if r.token(now):
-                r.finished_at = now
-                self.context -= r.context
-                self.on_done(r)
-            else:
-                keep.append(r)
-        self.running = keep
+        self.running, self.context = emit_tokens(self.running, self.context, now, self.on_done)
 
     def _prefill_done(self, req: SimRequest, now: float) -> None:
         self.head_done = -1

@@ -50,15 +50,24 @@ class DecodeWorker:
         self.loop.after(self.model.decode_step_s(len(self.running), self.context), self._stepped)
 
     def _stepped(self) -> None:
-        now = self.loop.now
-        self.context += len(self.running)
-        keep: list[SimRequest] = []
-        for r in self.running:
-            if r.token(now):
-                r.finished_at = now
-                self.context -= r.context
-                self.on_done(r)
-            else:
-                keep.append(r)
-        self.running = keep
+        self.running, self.context = emit_tokens(
+            self.running, self.context, self.loop.now, self.on_done
+        )
         self._step()
+
+
+def emit_tokens(
+    running: list[SimRequest], context: int, now: float, on_done: Callable[[SimRequest], None]
+) -> tuple[list[SimRequest], int]:
+    """One decode step: every running request emits a token; finished ones leave (and
+    release their context). Returns the requests still running and the batch's context."""
+    context += len(running)
+    keep: list[SimRequest] = []
+    for r in running:
+        if r.token(now):
+            r.finished_at = now
+            context -= r.context
+            on_done(r)
+        else:
+            keep.append(r)
+    return keep, context
