@@ -123,6 +123,78 @@ def _reference_decode(
     return once
 
 
+def _bench_prefill(
+    engine: Engine, ref: Any, tokens: int, reps: int, dev: torch.device, log: Log
+) -> dict[str, object]:
+    prompt = _prompt(tokens, engine.spec.vocab_size, 1)
+    ids = torch.tensor([prompt], device=dev)
+
+    def ref_prefill() -> None:
+        with torch.inference_mode():
+            ref(ids, use_cache=True, logits_to_keep=1)
+
+    log(f"prefill of {tokens} tokens, engine and reference")
+    t_pre, t_ref, ratio = _paired(
+        lambda: _timed(lambda: engine.prefill(prompt), dev),
+        lambda: _timed(ref_prefill, dev),
+        reps,
+    )
+    return {
+        "prefill_tokens": tokens,
+        "prefill_tok_s": round(tokens / t_pre, 1),
+        "ref_prefill_tok_s": round(tokens / t_ref, 1),
+        "prefill_ratio": round(ratio, 3),
+    }
+
+
+def _bench_decode(
+    engine: Engine, ref: Any, tokens: int, prompt_len: int, reps: int, dev: torch.device, log: Log
+) -> dict[str, object]:
+    """Batch 1 against the reference, and batch 8 against batch 1."""
+    vocab = engine.spec.vocab_size
+    log(f"decode of {tokens} tokens, batch 1, engine and reference")
+    p1 = _prompt(prompt_len, vocab, 2)
+    t_dec1, t_ref1, ratio = _paired(
+        _engine_decode(engine, [p1], tokens, dev),
+        _reference_decode(ref, p1, tokens, dev),
+        reps,
+    )
+    log(f"decode of {tokens} tokens, batch 8 and batch 1")
+    p8 = [_prompt(prompt_len + 8 * i, vocab, 10 + i) for i in range(8)]
+    t_dec8, _, b8_ratio = _paired(
+        _engine_decode(engine, p8, tokens, dev),
+        _engine_decode(engine, [p1], tokens, dev),
+        reps,
+    )
+    return {
+        "decode_tokens": tokens,
+        "decode_prompt_tokens": prompt_len,
+        "decode_tok_s_b1": round(tokens / t_dec1, 1),
+        "ref_decode_tok_s_b1": round(tokens / t_ref1, 1),
+        "decode_ratio": round(ratio, 3),
+        "decode_tok_s_b8": round(8 * tokens / t_dec8, 1),
+        "decode_b8_over_b1": round(8 * b8_ratio, 3),
+    }
+
+
+def _bench_prefix(engine: Engine, reps: int, dev: torch.device, log: Log) -> dict[str, object]:
+    log(f"prefill of {PREFIX_PROMPT} tokens, cold and with {PREFIX_CACHED} cached")
+    long = _prompt(PREFIX_PROMPT, engine.spec.vocab_size, 3)
+    full = engine.prefill(long)
+    blocks = engine.blocks(full.kv)[: PREFIX_CACHED // PREFIX_BLOCK]
+    del full
+    t_hit, t_cold, speedup = _paired(
+        lambda: _timed(lambda: engine.prefill(long, prefix=engine.prefix_from_blocks(blocks)), dev),
+        lambda: _timed(lambda: engine.prefill(long), dev),
+        reps,
+    )
+    return {
+        "prefix_cold_s": round(t_cold, 4),
+        "prefix_hit_s": round(t_hit, 4),
+        "prefix_hit_speedup": round(speedup, 3),
+    }
+
+
 def run_engine_bench(
     *,
     prefill_tokens: int = 512,
@@ -140,72 +212,13 @@ def run_engine_bench(
     loaded = load_gguf(smollm2_path(), device=dev)
     engine = Engine(loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK)
     ref = _load_reference(dev)
-    vocab = engine.spec.vocab_size
-
-    # Prefill.
-    prompt = _prompt(prefill_tokens, vocab, 1)
-    ids = torch.tensor([prompt], device=dev)
-
-    def ref_prefill() -> None:
-        with torch.inference_mode():
-            ref(ids, use_cache=True, logits_to_keep=1)
-
-    log(f"prefill of {prefill_tokens} tokens, engine and reference")
-    t_pre, t_ref_pre, prefill_ratio = _paired(
-        lambda: _timed(lambda: engine.prefill(prompt), dev),
-        lambda: _timed(ref_prefill, dev),
-        reps,
-    )
-
-    # Decode, batch 1 (against the reference) and batch 8 (against batch 1).
-    log(f"decode of {decode_tokens} tokens, batch 1, engine and reference")
-    p1 = _prompt(decode_prompt, vocab, 2)
-    t_dec1, t_ref_dec1, decode_ratio = _paired(
-        _engine_decode(engine, [p1], decode_tokens, dev),
-        _reference_decode(ref, p1, decode_tokens, dev),
-        reps,
-    )
-    log(f"decode of {decode_tokens} tokens, batch 8 and batch 1")
-    p8 = [_prompt(decode_prompt + 8 * i, vocab, 10 + i) for i in range(8)]
-    t_dec8, _, b8_ratio = _paired(
-        _engine_decode(engine, p8, decode_tokens, dev),
-        _engine_decode(engine, [p1], decode_tokens, dev),
-        reps,
-    )
-
-    # Prefix hit.
-    log(f"prefill of {PREFIX_PROMPT} tokens, cold and with {PREFIX_CACHED} cached")
-    long = _prompt(PREFIX_PROMPT, vocab, 3)
-    full = engine.prefill(long)
-    blocks = engine.blocks(full.kv)[: PREFIX_CACHED // PREFIX_BLOCK]
-    del full
-    t_hit, t_cold, prefix_speedup = _paired(
-        lambda: _timed(lambda: engine.prefill(long, prefix=engine.prefix_from_blocks(blocks)), dev),
-        lambda: _timed(lambda: engine.prefill(long), dev),
-        reps,
-    )
-
-    def r(x: float, nd: int = 2) -> float:
-        return round(x, nd)
-
     return {
         "model": loaded.name,
         "device": str(dev),
         "torch_threads": torch.get_num_threads(),
         "reps": reps,
-        "prefill_tokens": prefill_tokens,
-        "prefill_tok_s": r(prefill_tokens / t_pre, 1),
-        "ref_prefill_tok_s": r(prefill_tokens / t_ref_pre, 1),
-        "prefill_ratio": r(prefill_ratio, 3),
-        "decode_tokens": decode_tokens,
-        "decode_prompt_tokens": decode_prompt,
-        "decode_tok_s_b1": r(decode_tokens / t_dec1, 1),
-        "ref_decode_tok_s_b1": r(decode_tokens / t_ref_dec1, 1),
-        "decode_ratio": r(decode_ratio, 3),
-        "decode_tok_s_b8": r(8 * decode_tokens / t_dec8, 1),
-        "decode_b8_over_b1": r(8 * b8_ratio, 3),
-        "prefix_cold_s": r(t_cold, 4),
-        "prefix_hit_s": r(t_hit, 4),
-        "prefix_hit_speedup": r(prefix_speedup, 3),
+        **_bench_prefill(engine, ref, prefill_tokens, reps, dev, log),
+        **_bench_decode(engine, ref, decode_tokens, decode_prompt, reps, dev, log),
+        **_bench_prefix(engine, reps, dev, log),
         "torch": torch.__version__,
     }

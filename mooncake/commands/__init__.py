@@ -1,0 +1,1 @@
+"""Sub-command groups of the `mooncake` CLI (each imports its heavy parts lazily)."""

@@ -1,0 +1,68 @@
+"""`mooncake bench ...`: benchmarks that measure a baseline in the same run."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import typer
+
+from mooncake.cli_common import err, print_result, settings_or_exit
+
+bench_app = typer.Typer(
+    help="Benchmarks that measure a baseline in the same run", no_args_is_help=True
+)
+
+
+@bench_app.command("bus")
+def bench_bus(
+    events: Annotated[int, typer.Option(help="Events for the recorder throughput run")] = 20000,
+    relays: Annotated[int, typer.Option(help="Messages through each 3-hop relay")] = 500,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Recorder throughput into Postgres and 3-hop relay latency vs bare nats-py."""
+    from mooncake.bench.bus import run_bus_bench
+
+    settings = settings_or_exit()
+    result = asyncio.run(run_bus_bench(settings, events=events, relays=relays, log=err))
+    print_result("bench bus", result, as_json)
+
+
+@bench_app.command("conductor")
+def bench_conductor(
+    requests: Annotated[int, typer.Option(help="Decisions to time (conversation trace)")] = 12000,
+    instances: Annotated[int, typer.Option(help="Prefill and decode instances, each")] = 64,
+    min_blocks: Annotated[int, typer.Option(help="Keys in the global block index")] = 1_000_000,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Conductor decisions/s and p99 latency vs the same loop without the prefix index."""
+    from mooncake.bench.conductor import run_conductor_bench
+
+    result = run_conductor_bench(
+        requests=requests, instances=instances, min_blocks=min_blocks, log=err.print
+    )
+    print_result("bench conductor", result, as_json)
+
+
+@bench_app.command("engine")
+def bench_engine(
+    prefill_tokens: Annotated[int, typer.Option(help="Prompt tokens for the prefill run")] = 512,
+    decode_tokens: Annotated[int, typer.Option(help="Tokens per decode run")] = 64,
+    reps: Annotated[int, typer.Option(min=1, help="Timed repetitions (median)")] = 5,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's)")] = None,
+    device: Annotated[str, typer.Option(help="torch device")] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """SmolLM2 prefill/decode speed vs transformers' LlamaForCausalLM, batch-8 decode, and
+    the prefill speedup of a cached prefix."""
+    from mooncake.bench.engine import run_engine_bench
+
+    result = run_engine_bench(
+        prefill_tokens=prefill_tokens,
+        decode_tokens=decode_tokens,
+        reps=reps,
+        threads=threads,
+        device=device,
+        log=err.print,
+    )
+    print_result("bench engine", result, as_json)

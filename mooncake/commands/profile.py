@@ -1,0 +1,77 @@
+"""`mooncake profile engine`: timings the Conductor's cost model is fitted to."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from mooncake.cli_common import err
+
+profile_app = typer.Typer(help="Profiles the cost model fits", no_args_is_help=True)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
+
+
+@profile_app.command("engine")
+def profile_engine_cmd(
+    out: Annotated[str, typer.Option(help="Where to write the profile JSON")] = "profile.json",
+    dummy: Annotated[bool, typer.Option(help="A random model of the shape below")] = False,
+    layers: Annotated[int, typer.Option(help="--dummy: layers")] = 30,
+    hidden: Annotated[int, typer.Option(help="--dummy: hidden size")] = 576,
+    heads: Annotated[int, typer.Option(help="--dummy: attention heads")] = 9,
+    kv_heads: Annotated[int, typer.Option(help="--dummy: KV heads")] = 3,
+    ffn: Annotated[int, typer.Option(help="--dummy: FFN size")] = 1536,
+    vocab: Annotated[int, typer.Option(help="--dummy: vocabulary")] = 49152,
+    context: Annotated[int, typer.Option(help="--dummy: context length")] = 8192,
+    prompts: Annotated[str, typer.Option(help="Prompt lengths")] = "256,512,1024,2048",
+    cached: Annotated[str, typer.Option(help="Cached prefix lengths")] = "0,256,512,1024,1536",
+    batches: Annotated[str, typer.Option(help="Decode batch sizes")] = "1,2,4,8",
+    contexts: Annotated[str, typer.Option(help="Decode contexts")] = "128,512,1024,2048",
+    block_tokens: Annotated[int, typer.Option(min=1, help="KV block size")] = 256,
+    reps: Annotated[int, typer.Option(min=1, help="Timed repetitions (median)")] = 3,
+    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    device: Annotated[str, typer.Option(help="torch device")] = "cpu",
+) -> None:
+    """Time prefill over (prompt, cached prefix) and decode steps over (batch, context) on
+    the real engine (SmolLM2 unless --dummy); write a mooncake.profile/1 JSON."""
+    from pathlib import Path
+
+    import torch
+
+    from mooncake.engine import Engine, EngineError, ModelSpec, dummy_model
+    from mooncake.engine.gguf_loader import load_gguf, smollm2_path
+    from mooncake.engine.profile import profile_engine
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        if dummy:
+            spec = ModelSpec(vocab, hidden, layers, heads, kv_heads, ffn, context)
+            model, tokenizer = dummy_model(spec, device=device), None
+            name = f"dummy-l{layers}-h{hidden}-a{heads}-kv{kv_heads}-f{ffn}-v{vocab}"
+        else:
+            loaded = load_gguf(smollm2_path(), device=device)
+            model, tokenizer, name = loaded.model, loaded.tokenizer, loaded.name
+        engine = Engine(model, tokenizer, block_tokens=block_tokens)
+        doc = profile_engine(
+            engine,
+            model_name=name,
+            prompts=_int_list(prompts),
+            cached=_int_list(cached),
+            batches=_int_list(batches),
+            contexts=_int_list(contexts),
+            reps=reps,
+            log=err.print,
+        )
+    except EngineError as exc:
+        err.print(f"[red]profile failed:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+    err.print(f"wrote {out}: {len(doc['prefill'])} prefill and {len(doc['decode'])} decode points")
