@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from mooncake.events import Namespace
+from mooncake.namespace import Namespace
 
 DEFAULT_DATA_DIR = Path(".mooncake")
 RUNTIME_ENV = DEFAULT_DATA_DIR / "runtime.env"

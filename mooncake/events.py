@@ -6,7 +6,7 @@ Events are facts, named in the past tense, frozen, and validated once at ingress
 recorder's unique index), `type`, `occurred_at`, `schema_version` and the W3C
 `traceparent` of the span that produced it. Request events add `request_id`.
 
-Streams (see `STREAMS`): lifecycle facts live on `MC_REQ` (`mc.req.>`), metadata journal
+Streams (`mooncake.namespace.STREAMS`): lifecycle facts live on `MC_REQ` (`mc.req.>`), metadata
 facts (store objects, instances) on `MC_META` (`mc.meta.>`), dead letters on `MC_DLQ`.
 """
 
@@ -20,6 +20,12 @@ from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+# Re-exported: callers name them through this registry module (`ev.Namespace`, ...).
+from mooncake.namespace import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
+from mooncake.namespace import STREAMS as STREAMS
+from mooncake.namespace import Namespace as Namespace
+from mooncake.namespace import StreamSpec as StreamSpec
 
 SCHEMA_VERSION = 1
 ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -314,57 +320,6 @@ AnyEvent = Annotated[
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(AnyEvent)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamSpec:
-    name: str
-    subjects: tuple[str, ...]
-    work_queue: bool = False
-
-
-STREAMS: tuple[StreamSpec, ...] = (
-    StreamSpec("MC_REQ", ("mc.req.>",)),
-    StreamSpec("MC_META", ("mc.meta.>",)),
-    StreamSpec("MC_DLQ", ("mc.dlq.>",)),
-)
-DEFAULT_NAMESPACE = "mc"
-
-
-@dataclass(frozen=True, slots=True)
-class Namespace:
-    """Maps the canonical names above (`mc.*` subjects, `MC_*` streams) into a namespace,
-    so several deployments (or a test run) can share one NATS server without meeting.
-
-    Subjects in this module, and the ones `parse_event` checks, are always canonical.
-    """
-
-    prefix: str = DEFAULT_NAMESPACE
-
-    def subject(self, canonical: str) -> str:
-        return self.prefix + canonical[len(DEFAULT_NAMESPACE) :]
-
-    def of(self, event: Event | type[Event]) -> str:
-        return self.subject(event.SUBJECT)
-
-    def canonical(self, subject: str) -> str:
-        if subject.startswith(self.prefix + "."):
-            return DEFAULT_NAMESPACE + subject[len(self.prefix) :]
-        return subject
-
-    def stream(self, canonical: str) -> str:
-        return self.prefix.upper() + canonical[len(DEFAULT_NAMESPACE) :]
-
-    def streams(self) -> tuple[StreamSpec, ...]:
-        return tuple(
-            StreamSpec(
-                self.stream(s.name), tuple(self.subject(x) for x in s.subjects), s.work_queue
-            )
-            for s in STREAMS
-        )
-
-    def dead_letter_subject(self, consumer: str) -> str:
-        return self.subject(f"mc.dlq.{consumer}")
 
 
 # --- parsing at ingress ----------------------------------------------------------------------

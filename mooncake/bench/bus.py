@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,24 @@ def _log_tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
+async def _poll(
+    count: Callable[[], Awaitable[int]],
+    target: int,
+    recorder: ManagedProcess,
+    limit_s: float,
+    interval_s: float,
+) -> int:
+    """Poll `count` until it reaches `target`; fail if the recorder dies or time runs out."""
+    deadline = time.monotonic() + limit_s
+    while (seen := await count()) < target:
+        if not recorder.running:
+            raise RuntimeError("the recorder exited:\n" + _log_tail(recorder.log_path))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {seen} of {target} recorded within {limit_s:.0f}s")
+        await asyncio.sleep(interval_s)
+    return seen
+
+
 async def run_recorder(settings: Settings, events: int, tmp: Path, log: Log) -> dict[str, Any]:
     import psycopg
 
@@ -92,11 +111,7 @@ async def run_recorder(settings: Settings, events: int, tmp: Path, log: Log) -> 
         await ensure_streams(js, settings)
         publisher = Publisher(nc, js, ns)
         # The recorder records its own registration once its consumers run: then it is ready.
-        deadline = time.monotonic() + 60
-        while await count("instance.registered") == 0:
-            if not recorder.running or time.monotonic() > deadline:
-                raise RuntimeError("the recorder did not come up:\n" + _log_tail(recorder.log_path))
-            await asyncio.sleep(0.1)
+        await _poll(lambda: count("instance.registered"), 1, recorder, 60.0, 0.1)
         batch = [submitted(f"bench-{i:07d}") for i in range(events)]
         log.print(
             f"recorder: publishing {events} events in chunks of {PUBLISH_CHUNK} "
@@ -110,18 +125,9 @@ async def run_recorder(settings: Settings, events: int, tmp: Path, log: Log) -> 
 
         started = time.perf_counter()
         publishing = asyncio.create_task(publish_all())
-        seen = 0
-        deadline = time.monotonic() + max(120.0, events / 200)
-        while True:
-            seen = await count("request.submitted")
-            if seen >= events:
-                recorded_at = time.perf_counter()
-                break
-            if not recorder.running:
-                raise RuntimeError("the recorder exited:\n" + _log_tail(recorder.log_path))
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {seen} of {events} events were recorded in time")
-            await asyncio.sleep(0.02)
+        limit_s = max(120.0, events / 200)
+        seen = await _poll(lambda: count("request.submitted"), events, recorder, limit_s, 0.02)
+        recorded_at = time.perf_counter()
         published_at = await publishing
         projected = (await (await db.execute("SELECT count(*) FROM requests")).fetchone() or [0])[0]
         if seen != events or projected != events:
