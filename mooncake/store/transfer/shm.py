@@ -1,0 +1,191 @@
+"""The shm transport: a client on the same host maps the segment's file and copies in memory.
+
+Endpoint: "<boot id>:<path of the segment's backing file>". The boot id
+(/proc/sys/kernel/random/boot_id) tells whether client and server run on the same kernel; on
+another host `reaches` is False and the client falls back to tcp or rdma.
+
+Security: there is no server to authenticate against. Access is guarded by the file's mode
+(0600: only the node's own user can open it) and by its name, which carries a random 128-bit
+token and is handed out only over the authenticated control plane; knowing the name is the
+capability. A process of the same user on the same host could map it anyway, which is the same
+trust a node already places in its own user.
+
+The server side has nothing to run: it only produces endpoints. The client maps each file
+once (MAP_POPULATE, cached) and a transfer is one memory copy; copies of large buffers run in
+a worker thread with the GIL released (ctypes.memmove) so the event loop is not held up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import ClassVar
+
+from mooncake.store.segment import file_holds
+from mooncake.store.transfer.base import (
+    Buffer,
+    SegmentTable,
+    TransferError,
+    Transport,
+    TransportServer,
+    as_memoryview,
+    check_bounds,
+    check_length,
+)
+from mooncake.store.types import Region
+
+INLINE_COPY = 1 << 20  # below this a thread hop costs more than it keeps the loop free
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+
+@cache
+def boot_id() -> str:
+    try:
+        return BOOT_ID_PATH.read_text().strip()
+    except OSError:
+        return ""
+
+
+def available() -> tuple[bool, str]:
+    if not boot_id():
+        return False, f"cannot read {BOOT_ID_PATH}: no way to tell same-host peers"
+    return True, "same-host shared memory"
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, Path]:
+    host, sep, path = endpoint.partition(":")
+    if not sep or not host or not path.startswith("/"):
+        raise ValueError(f"not an shm endpoint: {endpoint!r}")
+    return host, Path(path)
+
+
+class ShmServer(TransportServer):
+    name: ClassVar[str] = "shm"
+
+    def __init__(self, *, secret: bytes) -> None:
+        del secret  # nothing to authenticate: see the module docstring
+        self._table: SegmentTable | None = None
+
+    async def start(self, table: SegmentTable) -> None:
+        self._table = table
+
+    def endpoint(self, segment_id: str) -> str:
+        if self._table is None:
+            raise RuntimeError("server not started")
+        return f"{boot_id()}:{self._table.get(segment_id).path}"
+
+    async def stop(self) -> None:
+        self._table = None
+
+
+class _Mapping:
+    def __init__(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise TransferError("unknown_segment", f"{path} does not exist") from None
+        except OSError as exc:
+            raise TransferError("unreachable", f"cannot open {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise TransferError("unknown_segment", f"{path} is empty")
+            flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+            self.mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.mm)
+        self.size = size
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a copy in flight still holds it; the mapping goes with the last reference
+
+
+class ShmTransport(Transport):
+    name: ClassVar[str] = "shm"
+
+    def __init__(self, *, secret: bytes, inline_copy: int = INLINE_COPY) -> None:
+        del secret
+        self._maps: dict[Path, _Mapping] = {}
+        self._inline = inline_copy
+
+    def reaches(self, endpoint: str) -> bool:
+        try:
+            host, _ = parse_endpoint(endpoint)
+        except ValueError:
+            return False
+        return bool(host) and host == boot_id()
+
+    def _mapping(self, endpoint: str, region: Region) -> _Mapping:
+        try:
+            host, path = parse_endpoint(endpoint)
+        except ValueError as exc:
+            raise TransferError("bad_request", str(exc)) from None
+        if host != boot_id():
+            raise TransferError("unreachable", f"{endpoint!r} is on another host")
+        if not file_holds(path.name, region.segment_id):
+            raise TransferError("unknown_segment", f"{region.segment_id!r} is not at {endpoint!r}")
+        mapping = self._maps.get(path)
+        if mapping is None:
+            mapping = self._maps[path] = _Mapping(path)
+        check_bounds(region.offset, region.length, mapping.size)
+        return mapping
+
+    async def write(self, endpoint: str, region: Region, data: Buffer) -> None:
+        await self.write_many(endpoint, [(region, data)])
+
+    async def read_into(self, endpoint: str, region: Region, out: Buffer) -> None:
+        await self.read_many(endpoint, [(region, out)])
+
+    async def write_many(self, endpoint: str, ops: Sequence[tuple[Region, Buffer]]) -> None:
+        await self._copy(endpoint, ops, to_segment=True)
+
+    async def read_many(self, endpoint: str, ops: Sequence[tuple[Region, Buffer]]) -> None:
+        await self._copy(endpoint, ops, to_segment=False)
+
+    async def _copy(
+        self, endpoint: str, ops: Sequence[tuple[Region, Buffer]], *, to_segment: bool
+    ) -> None:
+        plan = []  # validate everything before the first byte moves
+        for region, buf in ops:
+            view = as_memoryview(buf, writable=not to_segment)
+            check_length(region, view)
+            plan.append((self._mapping(endpoint, region), region, view))
+        for mapping, region, view in plan:
+            seg = mapping.view[region.offset : region.offset + region.length]
+            if region.length <= self._inline:
+                if to_segment:
+                    seg[:] = view
+                else:
+                    view[:] = seg
+                continue
+            seg_addr = mapping.address + region.offset
+            buf_addr = _address(view)
+            dst, src = (seg_addr, buf_addr) if to_segment else (buf_addr, seg_addr)
+            # memmove through ctypes releases the GIL; `seg` and `view` keep both alive
+            await asyncio.to_thread(ctypes.memmove, dst, src, region.length)
+            del seg
+
+    async def close(self) -> None:
+        for mapping in self._maps.values():
+            mapping.close()
+        self._maps.clear()
+
+
+def _address(view: memoryview) -> int:
+    if view.readonly:  # bytes and friends: no writable export, ask numpy for the pointer
+        import numpy as np
+
+        addr: int = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        return addr
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
