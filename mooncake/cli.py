@@ -17,6 +17,7 @@ from rich.table import Table
 from mooncake.cli_common import console, err, settings_or_exit
 from mooncake.commands.bench import bench_app
 from mooncake.commands.profile import profile_app
+from mooncake.commands.replay import replay
 from mooncake.commands.simulate import simulate_app
 from mooncake.config import Settings
 
@@ -29,6 +30,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(bench_app, name="bench")
 app.add_typer(profile_app, name="profile")
 app.add_typer(simulate_app, name="simulate")
+app.command("replay")(replay)
 
 WORKERS = ("recorder", "conductor")
 

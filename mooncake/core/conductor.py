@@ -17,9 +17,32 @@ if p takes the remote prefix: p keeps a copy (hot blocks replicate)
 `assignment` turns an admitted Decision into the `Assigned` fact that updates the chosen
 instance's queue. Pure: the view is read, never changed; time is the `now` argument.
 
+The balancing threshold, and the one place this departs from the pseudo-code: taken
+literally, the threshold is a switch that can make a *longer* local prefix look slower (pool
+10 blocks: with 2 local blocks an instance is past the threshold and fetches 8 cheap blocks;
+with 6 it is not, and recomputes 4 expensive ones). A scheduler that ranks instances by a
+TTFT that grows with what they already hold steers work away from its own cache. The law
+"a longer local prefix never looks slower" together with the paper's rule at local = 0 (an
+instance with nothing takes the pool's prefix) forces fetching to be an option for *every*
+instance: one holding more can always do what one holding less does, and fetching the
+missing rest is never dearer than fetching more. So:
+- past the threshold (`best > threshold * local`): fetch, as the paper says, even where
+  recomputing would be a little faster - this is its deliberate hot-block replication;
+- otherwise: fetch the missing blocks only if that is strictly faster than recomputing them.
+Both branches' TTFTs fall as the local prefix grows, and crossing the threshold only moves
+an instance from "must fetch" to "the cheaper of fetch and recompute", so the law holds for
+any cost model whose transfer time grows with bytes and whose prefill time falls with the
+cached prefix (tests/unit/test_conductor.py checks it with hypothesis). Whenever the chosen
+instance takes a remote prefix it keeps a copy (`CopyBlocks`), as in the paper. On the
+reference hardware fetching a block is 5-11x cheaper than recomputing it, so every instance
+takes the pool's prefix and the threshold only matters on slow networks. `pool_fetch=False` turns
+the pool off (each instance reuses only its own cache: the local-cache baselines of
+FAST'25 Fig. 5 / 10).
+
 Readings of the pseudo-code (documented because the paper leaves them open):
 - `best_len / local > threshold` is evaluated as `best_len > threshold * local`, so a node
-  with no local prefix takes any remote one (x/0 = ∞) and 0/0 takes nothing.
+  with no local prefix is past any threshold (x/0 = ∞); nothing is fetched when the pool's
+  prefix is no longer than the local one.
 - Block counts become tokens as `min(blocks * block_tokens, prompt_tokens)`.
 - "d by load": the decode instance whose step time is least with the work already routed
   to it (running + reserved + this request), so a burst does not herd onto one instance;
@@ -43,8 +66,11 @@ from mooncake.events import RejectReason
 @dataclass(frozen=True, slots=True)
 class ConductorConfig:
     block_tokens: int = 512
-    # Take a remote prefix only when it is this many times longer than the local one.
+    # Take the pool's prefix whenever it is this many times longer than the local one (hot
+    # blocks replicate); below that, only when fetching it beats recomputing it.
     balancing_threshold: float = 2.0
+    # False: no global pool; an instance reuses only its own cache.
+    pool_fetch: bool = True
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     # `predicted` admission: the uniform decode time t_d every request is assumed to take.
@@ -152,27 +178,35 @@ def _prefill_candidates(
     match = view.blocks.match(req.keys)
     best = match.best_blocks
     node_blocks = match.node_blocks
-    prompt, bt, thr = req.prompt_tokens, cfg.block_tokens, cfg.balancing_threshold
-    prefill_of: dict[int, float] = {}  # memo: few distinct prefixes among many instances
-    transfer_of: dict[int, float] = {}
+    prompt = req.prompt_tokens
+    # Memo per local prefix length: few distinct values among many instances.
+    option_of: dict[int, tuple[int, float, float]] = {}
     out: list[PrefillCandidate] = []
     for p in view.prefill_order:
         local = node_blocks.get(p.node, 0)
-        if best > thr * local:
-            prefix = best
-            transfer = transfer_of.get(local, -1.0)
-            if transfer < 0:
-                transfer = costs.transfer.transfer_s(prefix_tokens(best - local, prompt, bt))
-                transfer_of[local] = transfer
-        else:
-            prefix, transfer = local, 0.0
-        t_prefill = prefill_of.get(prefix)
-        if t_prefill is None:
-            t_prefill = costs.prefill.prefill_s(prompt, prefix_tokens(prefix, prompt, bt))
-            prefill_of[prefix] = t_prefill
+        option = option_of.get(local)
+        if option is None:
+            option = option_of[local] = _prefix_option(local, best, prompt, cfg, costs)
+        prefix, transfer, t_prefill = option
         queue = p.queue_s(now)
         out.append((p.id, local, prefix, transfer, queue, transfer + queue + t_prefill))
     return match, tuple(out)
+
+
+def _prefix_option(
+    local: int, best: int, prompt: int, cfg: ConductorConfig, costs: Costs
+) -> tuple[int, float, float]:
+    """(prefix blocks, transfer s, prefill s) for an instance holding `local` blocks when the
+    pool holds `best`: the threshold rule of the module docstring."""
+    bt = cfg.block_tokens
+    recompute = costs.prefill.prefill_s(prompt, prefix_tokens(local, prompt, bt))
+    if not cfg.pool_fetch or best <= local:
+        return local, 0.0, recompute
+    transfer = costs.transfer.transfer_s(prefix_tokens(best - local, prompt, bt))
+    fetched = costs.prefill.prefill_s(prompt, prefix_tokens(best, prompt, bt))
+    if best > cfg.balancing_threshold * local or transfer + fetched < recompute:
+        return best, transfer, fetched
+    return local, 0.0, recompute
 
 
 def _decode_candidates(

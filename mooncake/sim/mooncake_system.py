@@ -71,10 +71,10 @@ class MooncakeSystem:
     def __init__(self, loop: EventLoop, cfg: SimConfig, costs: Costs) -> None:
         self.loop, self.cfg, self.costs = loop, cfg, costs
         self.rng = random.Random(cfg.seed)
-        threshold = float("inf") if cfg.cache_scope == "local" else cfg.balancing_threshold
         self.ccfg = cd.ConductorConfig(
             block_tokens=cfg.block_tokens,
-            balancing_threshold=threshold,
+            balancing_threshold=cfg.balancing_threshold,
+            pool_fetch=cfg.cache_scope == "global",
             ttft_slo_s=cfg.ttft_slo_s,
             tbt_slo_s=cfg.tbt_slo_s,
             uniform_decode_s=cfg.uniform_decode_s,

@@ -1,7 +1,6 @@
-"""Markdown tables (and CSV load series) for `mooncake simulate paper --out DIR`.
+"""Markdown tables, CSV load series and PNG plots for `mooncake simulate paper --out DIR`.
 
-No plots: matplotlib is not a dependency of this project (the CSV files hold the series a
-plot would draw).
+The plots (`sim/plots.py`) are drawn from the same result dict as the tables.
 """
 
 from __future__ import annotations
@@ -112,8 +111,9 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     head = (
         f"# Simulated paper experiments\n\nquick: {r['quick']}; requests: {r['requests']}; "
-        f"elapsed {r['elapsed_s']} s. Plots: none (matplotlib is not installed); the load "
-        "series are in the CSV files.\n"
+        f"elapsed {r['elapsed_s']} s. Plots: `capacity.png`, `hit_rate.png`, "
+        "`scheduling.png`, `overload.png`, `load_<setup>.png`, `pd_ratio.png`; the load "
+        "series are also in the CSV files.\n"
     )
     body = [head, hit_rate_md(r), capacity_md(r), scheduling_md(r), overload_md(r), pd_md(r)]
     md = out / "paper.md"
@@ -125,4 +125,7 @@ def write_report(
         lines += [f"{t},{p:.4f},{d:.4f}" for t, p, d in series]
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         written.append(path)
+    from mooncake.sim.plots import write_plots  # matplotlib: imported only when writing
+
+    written += write_plots(r, samples, out, PAPER_SCHED_TTFT)
     return written

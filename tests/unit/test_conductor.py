@@ -154,35 +154,59 @@ def ttft_of(v: cl.ClusterView, instance: str, cfg: ConductorConfig, costs: Costs
     return next(c[5] for c in choice.candidates if c[0] == instance)
 
 
-# The balancing threshold is a switch: past it an instance fetches the pool's prefix. Within
-# either side of the switch a longer local prefix never looks slower; across it, the literal
-# Algorithm 1 can (see the next test), so the law is checked with the switch held fixed:
-# never fetch (threshold ∞), always fetch (threshold < 1), and the paper's 2 x when both
-# prefixes fall on the same side.
-@settings(max_examples=150, deadline=None)
+# Transfer at 2 ms per token (prefill is 1 ms): past the threshold an instance still fetches
+# (the paper's hot-block replication) although recomputing would be faster.
+SLOW_NET = Costs(Linear(), Linear(), TransferModel(500.0, 0.0, 1))
+WITH_LATENCY = Costs(Linear(), Linear(), TransferModel(1e6, 0.005, 1))
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.lists(blocks, min_size=3, max_size=3), queues, blocks, blocks,
-       st.sampled_from([float("inf"), 0.5, 2.0]), st.sampled_from([COSTS, FAST_NET]))  # fmt: skip
+       st.sampled_from([float("inf"), 0.5, 1.0, 2.0, 3.5]),
+       st.sampled_from([COSTS, FAST_NET, SLOW_NET, WITH_LATENCY]), st.booleans())  # fmt: skip
 def test_longer_local_prefix_never_looks_slower(
-    locals_: list[int], qs: list[float], pool: int, more: int, thr: float, costs: Costs
-) -> None:
-    cfg = ConductorConfig(block_tokens=10, balancing_threshold=thr, ttft_slo_s=5, tbt_slo_s=1)
+    locals_: list[int], qs: list[float], pool: int, more: int, thr: float, costs: Costs,
+    pool_fetch: bool,
+) -> None:  # fmt: skip
+    cfg = ConductorConfig(
+        block_tokens=10, balancing_threshold=thr, ttft_slo_s=5, tbt_slo_s=1, pool_fetch=pool_fetch
+    )
     longer = [*locals_]
     longer[0] = min(locals_[0] + more, 10)
-    best = max([pool, *longer])
-    if thr == 2.0 and (best > thr * locals_[0]) != (best > thr * longer[0]):
-        return  # the switch flips: not this law's domain
     before = ttft_of(scenario(locals_, qs, pool), "p0", cfg, costs)
     after = ttft_of(scenario(longer, qs, pool), "p0", cfg, costs)
     assert after <= before + 1e-12
 
 
-def test_the_balancing_switch_can_make_a_longer_local_prefix_look_slower() -> None:
-    # Pinned on purpose (Algorithm 1 as published): pool holds 10 blocks. With 2 local
-    # blocks, 10/2 = 5 > 2 -> fetch 80 tokens (0.08 s on FAST_NET: 8e-5 s) + 0 s prefill.
-    # With 6 local blocks, 10/6 < 2 -> keep local, recompute 40 tokens: 0.04 s.
+def test_crossing_the_balancing_threshold_no_longer_makes_a_longer_prefix_look_slower() -> None:
+    # Algorithm 1 taken literally (the counterexample that used to be pinned here): pool
+    # holds 10 blocks; with 2 local blocks 10/2 > 2 -> fetch 80 tokens (8e-5 s on FAST_NET);
+    # with 6 local blocks 10/6 < 2 -> recompute 40 tokens (0.04 s): longer looked slower.
+    # Now the instance below the threshold fetches the missing 4 blocks because it is faster.
     short = ttft_of(scenario([2, 0, 0], [0, 0, 0], 10), "p0", CFG, FAST_NET)
     long = ttft_of(scenario([6, 0, 0], [0, 0, 0], 10), "p0", CFG, FAST_NET)
-    assert short < long
+    assert short == pytest.approx(80 / 1e6) and long == pytest.approx(40 / 1e6)
+    d = decide(scenario([6, 0, 0], [0, 0, 0], 10), req(), CFG, FAST_NET, 0.0)
+    assert d.prefill_instance == "p0" and d.takes_remote and d.prefix_tokens == 100
+    assert d.copy is not None and d.copy.keys == KEYS[6:10]
+
+
+def test_below_the_threshold_a_slower_fetch_is_not_taken_past_it_it_is() -> None:
+    # SLOW_NET: fetching a block (20 ms) costs more than recomputing it (10 ms).
+    below = decide(scenario([6, 0, 0], [0, 0, 0], 10), req(), CFG, SLOW_NET, 0.0)
+    p0 = next(c for c in below.candidates if c[0] == "p0")
+    assert p0[2] == 6 and p0[3] == 0.0 and p0[5] == pytest.approx(0.04)  # recompute 40 tokens
+    # Past the threshold (10 > 2 x 2) the paper's rule fetches anyway: 80 tokens at 2 ms.
+    past = decide(scenario([2, 0, 0], [0, 0, 0], 10), req(), CFG, SLOW_NET, 0.0)
+    p0 = next(c for c in past.candidates if c[0] == "p0")
+    assert p0[2] == 10 and p0[3] == pytest.approx(0.16) and p0[5] == pytest.approx(0.16)
+
+
+def test_without_the_pool_an_instance_reuses_only_its_own_blocks() -> None:
+    cfg = ConductorConfig(block_tokens=10, ttft_slo_s=5.0, tbt_slo_s=0.05, pool_fetch=False)
+    d = decide(scenario([2, 0, 0], [0, 0, 0], 10), req(), cfg, FAST_NET, 0.0)
+    assert not d.takes_remote and d.copy is None
+    assert [c[2] for c in d.candidates] == [2, 0, 0]
 
 
 @settings(max_examples=150, deadline=None)

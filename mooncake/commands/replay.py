@@ -1,0 +1,202 @@
+"""`mooncake replay --from-db --policy NAME`: counterfactual replay of the recorded arrivals.
+
+Reads every `request.submitted` event (and what the `requests` projection says became of
+it) from Postgres, re-runs those arrivals through the simulator under another admission
+policy (`mooncake.sim.counterfactual`), and prints recorded vs counterfactual outcomes.
+
+The source is a flag so that replaying a trace file against the live system (a positional
+`TRACE` argument, issue 6) can join it later without changing this form; until then
+`--from-db` is required.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from datetime import datetime
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from mooncake.cli_common import console, err, print_result, settings_or_exit
+
+REPLAY_PAYLOAD_TYPE = "request.submitted"
+_QUERY = """
+SELECT e.request_id, e.occurred_at, e.payload,
+       r.status, r.policy, r.prompt_tokens, r.output_tokens, r.reject_reason, r.ttft_s, r.tbt_s
+FROM events e LEFT JOIN requests r ON r.request_id = e.request_id
+WHERE e.type = :type AND e.request_id IS NOT NULL
+ORDER BY e.occurred_at, e.id
+"""
+
+
+class ReplayError(Exception):
+    """Bad input for a replay: said in one line, exit code 2."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    policy: str
+    prefill: int | None = None  # None: as many as the record's `instances` had, else 8
+    decode: int | None = None
+    speed: float = 1.0
+
+
+async def load_recorded(database_url: str) -> tuple[list[Any], dict[str, int]]:
+    """The recorded arrivals (first submission of each request id, in arrival order) and
+    the number of prefill / decode instances the record knows."""
+    from sqlalchemy import text
+
+    from mooncake.db.engine import async_engine
+    from mooncake.sim.counterfactual import RecordedRequest
+
+    engine = async_engine(database_url, pool_size=1)
+    try:
+        async with engine.connect() as conn:
+            rows = (await conn.execute(text(_QUERY), {"type": REPLAY_PAYLOAD_TYPE})).all()
+            roles = (
+                await conn.execute(text("SELECT role, count(*) FROM instances GROUP BY role"))
+            ).all()
+    finally:
+        await engine.dispose()
+    seen: set[str] = set()
+    out: list[RecordedRequest] = []
+    for rid, at, payload, status, policy, prompt_tokens, output_tokens, reason, ttft, tbt in rows:
+        if rid in seen:  # a resubmission of the same id does not start a second request
+            continue
+        seen.add(rid)
+        ids = payload.get("token_ids")
+        out.append(
+            RecordedRequest(
+                request_id=rid,
+                arrival_s=_epoch(at),
+                token_ids=tuple(ids) if ids is not None else None,
+                prompt=payload.get("prompt"),
+                max_tokens=int(payload.get("params", {}).get("max_tokens", 128)),
+                status=status,
+                policy=policy,
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens or 0,
+                reject_reason=reason,
+                ttft_s=ttft,
+                tbt_s=tbt,
+            )
+        )
+    return out, {str(role): int(n) for role, n in roles}
+
+
+def _epoch(at: datetime) -> float:
+    return at.timestamp()
+
+
+def run_replay(
+    database_url: str, opts: ReplayOptions, *, block_tokens: int = 512, hash_seed: int = 0
+) -> dict[str, Any]:
+    """Load, simulate under `opts.policy`, compare. Raises ReplayError on bad input."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from mooncake.core.admission import POLICIES
+    from mooncake.sim import SimConfig, run_simulation
+    from mooncake.sim.counterfactual import compare, to_trace
+
+    if opts.policy not in POLICIES:
+        raise ReplayError(f"unknown policy {opts.policy!r}; one of {', '.join(POLICIES)}")
+    if opts.speed <= 0 or (opts.prefill or 1) < 1 or (opts.decode or 1) < 1:
+        raise ReplayError("--speed must be > 0 and --prefill / --decode at least 1")
+    try:
+        records, roles = asyncio.run(load_recorded(database_url))
+    except (SQLAlchemyError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ReplayError(f"cannot read the record at {_safe(database_url)}: {first}") from exc
+    if not records:
+        raise ReplayError("nothing to replay: no request.submitted events in the record")
+    prefill = opts.prefill or roles.get("prefill") or 8
+    decode = opts.decode or roles.get("decode") or 8
+    replay_in = to_trace(records, block_tokens, seed=hash_seed)
+    cfg = SimConfig(
+        policy=opts.policy,  # checked against POLICIES above
+        prefill_instances=prefill,
+        decode_instances=decode,
+        speed=opts.speed,
+        block_tokens=block_tokens,
+    )
+    result = compare(records, run_simulation(replay_in.trace, cfg))
+    result["simulated"] = {
+        "prefill_instances": prefill,
+        "decode_instances": decode,
+        "speed": opts.speed,
+        "cost_model": "analytic reference (LLaMA3-70B on 8xA800)",
+        "estimated_prompts": replay_in.estimated_prompts,
+    }
+    return result
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for messages."""
+    head, sep, tail = url.rpartition("@")
+    if not sep:
+        return url
+    scheme, _, cred = head.partition("://")
+    return f"{scheme}://{cred.split(':', 1)[0]}@{tail}"
+
+
+def print_comparison(result: dict[str, Any]) -> None:
+    from mooncake.sim.counterfactual import comparison_rows
+
+    sim = result["simulated"]
+    table = Table(
+        title=f"replay: recorded vs {result['counterfactual']['policy']} "
+        f"({sim['prefill_instances']}P+{sim['decode_instances']}D, speed {sim['speed']}x)"
+    )
+    for col in ("", "recorded", "counterfactual"):
+        table.add_column(col)
+    for row in comparison_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    note = f"counterfactual times: {sim['cost_model']} cost model"
+    if sim["estimated_prompts"]:
+        note += f"; {sim['estimated_prompts']} text prompt lengths estimated at 4 bytes a token"
+    console.print(note)
+
+
+def replay(
+    from_db: Annotated[
+        bool, typer.Option("--from-db", help="Replay the arrivals recorded in Postgres")
+    ] = False,
+    policy: Annotated[str, typer.Option(help="Admission: none|baseline|early|predicted")] = (
+        "predicted"
+    ),
+    database_url: Annotated[
+        str | None, typer.Option(help="Postgres URL (default: MOONCAKE_DATABASE_URL)")
+    ] = None,
+    prefill: Annotated[int | None, typer.Option(help="Prefill instances (default: recorded)")] = (
+        None
+    ),
+    decode: Annotated[int | None, typer.Option(help="Decode instances (default: recorded)")] = (
+        None
+    ),
+    speed: Annotated[float, typer.Option(help="Arrival speed factor")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Counterfactual replay: how would the recorded arrivals have fared under POLICY?"""
+    if not from_db:
+        err.print("[red]nothing to replay:[/red] give --from-db (trace files come later)")
+        raise typer.Exit(2)
+    settings = settings_or_exit()
+    url = database_url or settings.database_url
+    if not url:
+        err.print("[red]no database:[/red] pass --database-url or set MOONCAKE_DATABASE_URL")
+        raise typer.Exit(2)
+    opts = ReplayOptions(policy=policy, prefill=prefill, decode=decode, speed=speed)
+    try:
+        result = run_replay(
+            url, opts, block_tokens=settings.block_tokens, hash_seed=settings.hash_seed
+        )
+    except ReplayError as exc:
+        err.print(f"[red]replay:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
+    if as_json:
+        print_result("replay", result, True)
+    else:
+        print_comparison(result)
