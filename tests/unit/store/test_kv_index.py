@@ -1,0 +1,175 @@
+"""KV index event sequencing: producer log, follower with gap detection and snapshots."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from mooncake.core.block_index import BlockIndex
+from mooncake.store.kv_index import (
+    Applied,
+    KvEventBatch,
+    KvEventLog,
+    KvIndexFollower,
+    KvSnapshot,
+    NeedSnapshot,
+)
+
+
+def held(index: BlockIndex, node: str, keys: list[str]) -> set[str]:
+    return {k for k in keys if node in index.holders(k)}
+
+
+def test_the_log_numbers_batches_from_one_and_snapshots_its_key_set() -> None:
+    log = KvEventLog("n1")
+    assert log.snapshot() == KvSnapshot("n1", 0, ())
+    b1 = log.record(["a", "b"], [])
+    b2 = log.record(["c"], ["a"])
+    assert (b1.seq, b2.seq) == (1, 2)
+    assert b2 == KvEventBatch("n1", 2, ("c",), ("a",))
+    assert log.snapshot() == KvSnapshot("n1", 2, ("b", "c"))
+    log.record(["d"], ["d"])  # stored then removed within one interval: absent
+    assert log.keys == {"b", "c"}
+
+
+def test_in_order_batches_update_the_index_and_duplicates_are_ignored() -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    log = KvEventLog("n1")
+    b1, b2 = log.record(["a", "b"]), log.record(["c"], ["a"])
+    assert f.apply(b1) == Applied("n1", 1, 1)
+    assert f.apply(b2) == Applied("n1", 2, 1)
+    assert f.apply(b1) == Applied("n1", 2, 0)
+    assert held(index, "n1", ["a", "b", "c"]) == {"b", "c"}
+    other = KvEventLog("n2").record(["b"])
+    f.apply(other)
+    assert index.holders("b") == {"n1", "n2"}
+
+
+def test_a_gap_asks_for_one_snapshot_and_buffers_until_it_arrives() -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    log = KvEventLog("n1")
+    # seq i+1 stores k{i} and removes k{i-2}
+    batches = [log.record([f"k{i}"], [f"k{i - 2}"] if i >= 2 else []) for i in range(6)]
+    f.apply(batches[0])
+    assert f.apply(batches[2]) == NeedSnapshot("n1", "gap")  # seq 2 was lost
+    assert f.apply(batches[3]) == Applied("n1", 1, 0)  # buffered, no second request
+    assert f.awaiting() == ["n1"]
+    snap = KvSnapshot("n1", 3, ("k1", "k2"))  # taken after seq 3
+    f.apply(batches[4])
+    assert f.load_snapshot(snap) == Applied("n1", 5, 2)  # buffered seq 4 and 5 applied
+    assert f.awaiting() == []
+    assert held(index, "n1", [f"k{i}" for i in range(6)]) == {"k3", "k4"}  # as of seq 5
+
+
+def test_a_reorder_heals_itself_and_a_stale_snapshot_is_ignored() -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    log = KvEventLog("n1")
+    old = log.snapshot()
+    b1, b2, b3 = log.record(["a"]), log.record(["b"]), log.record(["c"], ["a"])
+    f.apply(b1)
+    assert isinstance(f.apply(b3), NeedSnapshot)
+    assert f.apply(b2) == Applied("n1", 3, 2)
+    assert f.awaiting() == []
+    assert f.load_snapshot(old) == Applied("n1", 3, 0)
+    assert held(index, "n1", ["a", "b", "c"]) == {"b", "c"}
+
+
+def test_a_reorder_that_leaves_another_gap_keeps_waiting_for_the_snapshot() -> None:
+    f = KvIndexFollower(BlockIndex())
+    f.apply(KvEventBatch("n1", 1, ("a",)))
+    assert isinstance(f.apply(KvEventBatch("n1", 3, ("c",))), NeedSnapshot)
+    f.apply(KvEventBatch("n1", 5, ("e",)))
+    assert f.apply(KvEventBatch("n1", 2, ("b",))) == Applied("n1", 3, 2)
+    assert f.awaiting() == ["n1"]  # seq 4 is still missing: the request stands
+    assert f.apply(KvEventBatch("n1", 6, ("f",))) == Applied("n1", 3, 0)
+
+
+def test_a_snapshot_replaces_the_nodes_keys() -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    index.add("n1", ["stale"])
+    index.add("n2", ["stale"])
+    f.load_snapshot(KvSnapshot("n1", 7, ("x",)))
+    assert index.holders("stale") == {"n2"}
+    assert index.holders("x") == {"n1"}
+    assert f.expected("n1") == 8
+    assert f.apply(KvEventBatch("n1", 8, ("y",))) == Applied("n1", 8, 1)
+
+
+def test_a_gap_inside_the_buffer_asks_again() -> None:
+    f = KvIndexFollower(BlockIndex())
+    f.apply(KvEventBatch("n1", 1, ("a",)))
+    f.apply(KvEventBatch("n1", 5, ("e",)))
+    assert f.load_snapshot(KvSnapshot("n1", 3, ("a", "c"))) == NeedSnapshot("n1", "buffer_gap")
+    assert f.awaiting() == ["n1"]
+    assert f.load_snapshot(KvSnapshot("n1", 4, ("a", "c", "d"))) == Applied("n1", 5, 1)
+
+
+def test_a_dead_node_is_dropped_and_may_start_again_at_one() -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    f.apply(KvEventBatch("n1", 1, ("a", "b")))
+    f.apply(KvEventBatch("n1", 2, ("c",)))
+    assert f.drop_node("n1") == 3
+    assert len(index) == 0
+    assert f.apply(KvEventBatch("n1", 1, ("z",))) == Applied("n1", 1, 1)
+    assert index.holders("z") == {"n1"}
+
+
+def test_a_new_epoch_means_a_restarted_producer() -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    f.apply(KvEventBatch("n1", 1, ("a",), epoch="e1"))
+    f.apply(KvEventBatch("n1", 2, ("b",), epoch="e1"))
+    assert f.apply(KvEventBatch("n1", 1, ("c",), epoch="e2")) == Applied("n1", 1, 1)
+    assert held(index, "n1", ["a", "b", "c"]) == {"c"}
+
+
+KEYS = [f"k{i}" for i in range(8)]
+record = hs.tuples(hs.lists(hs.sampled_from(KEYS), max_size=3), hs.lists(hs.sampled_from(KEYS)))
+# Each produced batch is delivered 0..2 times; deliveries are then shuffled a little.
+delivery = hs.lists(hs.tuples(record, hs.integers(0, 2), hs.integers(0, 3)), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(script=delivery, snapshot_every=hs.integers(1, 10))
+def test_any_loss_duplication_and_reordering_converges_after_snapshots(
+    script: list[tuple[tuple[list[str], list[str]], int, int]], snapshot_every: int
+) -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    log = KvEventLog("n1")
+    index.add("n2", KEYS[:3])  # another node's keys are never disturbed
+    wire: list[tuple[int, KvEventBatch]] = []
+    for i, ((stored, removed), copies, delay) in enumerate(script):
+        batch = log.record(stored, removed)
+        wire += [(i + delay, batch)] * copies
+    wire.sort(key=lambda x: x[0])  # stable: a delay reorders, equal delays keep order
+    asked = False
+    for n, (_, batch) in enumerate(wire):
+        asked |= isinstance(f.apply(batch), NeedSnapshot)
+        if asked and n % snapshot_every == 0:  # the snapshot answer arrives at some point
+            # ... taken now, i.e. possibly newer than what this follower has seen
+            asked = isinstance(f.load_snapshot(log.snapshot()), NeedSnapshot)
+    # After the stream goes quiet, a pending request is answered; the index converges.
+    if f.awaiting() or asked:
+        f.load_snapshot(log.snapshot())
+    if f.expected("n1") <= log.seq:  # the tail was lost without a visible gap: a periodic
+        f.load_snapshot(log.snapshot())  # snapshot (anti-entropy) repairs it
+    assert f.awaiting() == []
+    assert held(index, "n1", KEYS) == log.keys
+    assert held(index, "n2", KEYS) == set(KEYS[:3])
+
+
+@settings(max_examples=100, deadline=None)
+@given(script=hs.lists(record, max_size=30))
+def test_a_lossless_stream_needs_no_snapshot(script: list[tuple[list[str], list[str]]]) -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    log = KvEventLog("n1")
+    for stored, removed in script:
+        assert isinstance(f.apply(log.record(stored, removed)), Applied)
+    assert held(index, "n1", KEYS) == log.keys
