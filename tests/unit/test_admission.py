@@ -93,12 +93,31 @@ def test_predicted_rejects_what_early_lets_in_a_burst_still_in_prefill() -> None
     assert d.admitted and d.predicted_tbt_s == pytest.approx((0.05545 + 0.0111) / 2)
     for i in range(45):
         v.apply(cl.Assigned(f"y{i}", "p1", "d1", 100, 0.0, 0.5), 0.0)
-    # Now d1 also holds 45 at t = 1.0: (0.05545 + 0.05655) / 2 = 0.056 > 0.05 -> reject,
-    # while early (current batches 0 and 20) still admits.
+    # Now d1 also holds 45 at t = 1.0: mean (0.05545 + 0.05655) / 2 = 0.056 > 0.05 and the
+    # chosen d0 would hold 46: step(46, 5500) = 0.05655 -> reject, while early (current
+    # batches 0 and 20) still admits.
     assert decide("early", v, request(1000), CFG_TD, COSTS, 0.0).admitted
     d = decide("predicted", v, request(1000), CFG_TD, COSTS, 0.0)
-    assert d.reason is RejectReason.DECODE_OVERLOADED
-    assert d.predicted_tbt_s == pytest.approx((0.05545 + 0.05655) / 2)
+    assert d.reason is RejectReason.DECODE_OVERLOADED and d.decode_instance == "d0"
+    assert d.predicted_tbt_s == pytest.approx(0.05655)
+    assert dict(d.extra)["tbt_mean_at"] == pytest.approx((0.05545 + 0.05655) / 2)
+
+
+def test_predicted_mean_does_not_hide_the_overloaded_instance_the_request_joins() -> None:
+    v = view(2, 2)
+    # d0: 48 admitted requests whose prefills finish at 0.5 s. d1 reports 60 running now
+    # (untracked: they are not in the prediction), so d0 has the least committed work
+    # (step(49, 5800) = 0.05958 < step(61, 1000) = 0.0711) and is chosen.
+    for i in range(48):
+        v.apply(cl.Assigned(f"x{i}", "p1", "d0", 100, 0.0, 0.5), 0.0)
+    v.apply(cl.DecodeLoadReported("d1", 60, 0), 0.0)
+    d = decide("predicted", v, request(1000), CFG_TD, COSTS, 0.0)
+    # At t = 1.0: d0 holds 48 + this one: step(49, 5800) = 0.05958 s > 0.05; d1 holds
+    # nothing tracked: step(0, 0) = 0.010. The paper's mean, 0.03479 s, would admit a
+    # request whose own TBT breaks the SLO; the chosen instance's load rejects it.
+    assert d.decode_instance == "d0" and d.reason is RejectReason.DECODE_OVERLOADED
+    assert d.predicted_tbt_s == pytest.approx(0.05958)
+    assert dict(d.extra)["tbt_mean_at"] == pytest.approx((0.05958 + 0.010) / 2)
 
 
 def test_prefill_stage_check_counts_transfer_queue_and_prefill() -> None:
