@@ -32,7 +32,7 @@ app.add_typer(profile_app, name="profile")
 app.add_typer(simulate_app, name="simulate")
 app.command("replay")(replay)
 
-WORKERS = ("recorder", "conductor")
+WORKERS = ("recorder", "conductor", "store-master", "store-node")
 
 
 class Until(StrEnum):
@@ -129,10 +129,18 @@ def worker(
         from workers import recorder as mod
     elif role == "conductor":
         from workers import conductor as mod  # type: ignore[no-redef]
+    elif role == "store-master":
+        from workers import store_master as mod  # type: ignore[no-redef]
+    elif role == "store-node":
+        from workers import store_node as mod  # type: ignore[no-redef]
     else:
         err.print(f"[red]unknown role {role!r}[/red]; expected one of {', '.join(WORKERS)}")
         raise typer.Exit(2)
-    asyncio.run(mod.main(settings, instance))
+    try:
+        asyncio.run(mod.main(settings, instance))
+    except ValueError as exc:  # a configuration the role cannot run with (a missing secret)
+        err.print(f"[red]{role}: {exc}[/red]")
+        raise typer.Exit(2) from exc
 
 
 # --- submit -----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mooncake.namespace import Namespace
@@ -54,6 +54,35 @@ class BusSettings(BaseModel):
     max_event_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
 
 
+class StoreSettings(BaseModel):
+    """The KV block pool: master policy, node memory, transports (Mooncake Store semantics)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Shared by every node and client: transfer connections are authenticated with it.
+    # `mooncake up` generates one into runtime.env; a worker without one refuses to start.
+    secret: SecretStr | None = None
+    # Per node: DRAM pooled into the store (preallocated and pre-touched at start).
+    dram_bytes: Annotated[int, Field(ge=1 << 20)] = 256 << 20
+    # Per node: the SSD tier (a file under ssd_dir, mapped); 0 = no SSD tier.
+    ssd_bytes: Annotated[int, Field(ge=0)] = 0
+    ssd_dir: Path | None = None  # default: <data_dir>/ssd
+    # Transports a node serves and a client may use, in order of preference; rdma is used
+    # only where a device exists, shm only between processes on the same host.
+    transports: tuple[Literal["rdma", "shm", "tcp"], ...] = ("rdma", "shm", "tcp")
+    # Address the node's tcp transport binds / advertises.
+    tcp_host: str = "127.0.0.1"
+    tcp_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    replicas: Annotated[int, Field(ge=1, le=16)] = 1
+    lease_s: Annotated[float, Field(gt=0)] = 10.0
+    high_watermark: Annotated[float, Field(gt=0, le=1)] = 0.90
+    evict_fraction: Annotated[float, Field(gt=0, le=1)] = 0.05
+    put_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    heartbeat_s: Annotated[float, Field(gt=0)] = 1.0
+    node_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MOONCAKE_",
@@ -77,6 +106,7 @@ class Settings(BaseSettings):
 
     slo: SLO = SLO()
     bus: BusSettings = BusSettings()
+    store: StoreSettings = StoreSettings()
 
     # Admission policy; the Conductor issue adds baseline, early and predicted.
     admission_policy: Literal["none"] = "none"

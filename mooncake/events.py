@@ -250,7 +250,7 @@ class KvObjectRemoved(Event):
     type: Literal["kv.object.removed"] = "kv.object.removed"
 
     key: Annotated[str, Field(min_length=1, max_length=256)]
-    reason: Literal["removed", "evicted", "node_lost", "revoked"] = "removed"
+    reason: Literal["removed", "evicted", "node_lost", "revoked", "reclaimed"] = "removed"
 
 
 class InstanceRegistered(Event):
@@ -258,7 +258,9 @@ class InstanceRegistered(Event):
     type: Literal["instance.registered"] = "instance.registered"
 
     instance_id: SubjectToken
-    role: Literal["prefill", "decode", "store", "conductor", "recorder", "gateway"]
+    role: Literal[
+        "prefill", "decode", "store", "store_master", "conductor", "recorder", "gateway"
+    ]
     host: Annotated[str, Field(max_length=255)] = ""
     endpoint: Annotated[str, Field(max_length=255)] = ""
     capacity: dict[str, float] = {}

@@ -48,3 +48,34 @@ REQUESTS_REJECTED = Counter(
     "mc_requests_rejected_total", "Requests rejected, by stage and reason", ["stage", "reason"]
 )
 REQUESTS_ADMITTED = Counter("mc_requests_admitted_total", "Requests admitted", ["policy"])
+
+# --- the store ---------------------------------------------------------------------------------
+STORE_OPS = Counter(
+    "mc_store_ops_total",
+    "Store client operations per object, by op (put, get, exists, remove) and result",
+    ["op", "result"],
+)
+STORE_TRANSFER_BYTES = Counter(
+    "mc_store_transfer_bytes_total",
+    "Bytes moved by the store's transfer engine, by transport and direction (read, write)",
+    ["transport", "direction"],
+)
+STORE_TRANSFER_SECONDS = Histogram(
+    "mc_store_transfer_seconds",
+    "Time of one batch transfer to or from one endpoint",
+    ["transport", "direction"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
+STORE_MOVES = Counter(
+    "mc_store_moves_total",
+    "Objects a node copied between its tiers (offload, promotion)",
+    ["src_tier", "dst_tier"],
+)
+STORE_USED_BYTES = Gauge("mc_store_used_bytes", "Bytes allocated in the pool, by tier", ["tier"])
+STORE_CAPACITY_BYTES = Gauge(
+    "mc_store_capacity_bytes", "Bytes mounted in the pool, by tier", ["tier"]
+)
+STORE_OBJECTS = Gauge("mc_store_objects", "Objects known to the store master")
+STORE_EVICTIONS = Counter(
+    "mc_store_evictions_total", "Objects removed by the master, by reason", ["reason"]
+)

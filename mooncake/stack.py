@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from mooncake.services import EmbeddedNats, EmbeddedPostgres, ManagedProcess, ur
 log = logging.getLogger(__name__)
 
 # Roles that exist so far, in start order (later issues add store, prefill, decode, gateway).
-ROLES: tuple[str, ...] = ("recorder", "conductor")
+ROLES: tuple[str, ...] = ("recorder", "conductor", "store-master", "store-node")
 
 
 @dataclass
@@ -35,6 +36,13 @@ class Stack:
     nats: EmbeddedNats | None = None
     postgres: EmbeddedPostgres | None = None
     workers: list[WorkerProcess] = field(default_factory=list)
+    # The store's cluster secret: the configured one, else a fresh one per `up`.
+    store_secret: str = field(default_factory=lambda: secrets.token_hex(32))
+
+    def __post_init__(self) -> None:
+        configured = self.settings.store.secret
+        if configured is not None and configured.get_secret_value():
+            self.store_secret = configured.get_secret_value()
 
     def start_infrastructure(self) -> None:
         data = self.settings.data_dir
@@ -58,13 +66,16 @@ class Stack:
         path = self.settings.data_dir / "runtime.env"
         path.write_text(
             f"MOONCAKE_NATS_URL={self.nats_url}\nMOONCAKE_DATABASE_URL={self.database_url}\n"
+            f"MOONCAKE_STORE__SECRET={self.store_secret}\n"
         )
+        path.chmod(0o600)  # it holds the store's cluster secret
         return path
 
     def child_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["MOONCAKE_NATS_URL"] = self.nats_url
         env["MOONCAKE_DATABASE_URL"] = self.database_url
+        env["MOONCAKE_STORE__SECRET"] = self.store_secret
         return env
 
     def start_worker(self, role: str, index: int = 0) -> WorkerProcess:

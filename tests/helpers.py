@@ -32,8 +32,16 @@ def worker_env(settings: Settings) -> dict[str, str]:
 class Worker:
     """A real worker process (`mooncake worker ROLE`), killable like in production."""
 
-    def __init__(self, role: str, settings: Settings, log_dir: Path, name: str = "") -> None:
+    def __init__(
+        self,
+        role: str,
+        settings: Settings,
+        log_dir: Path,
+        name: str = "",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.role = role
+        self.env = env or {}
         self.settings = settings
         self.name = name or f"{role}-0"
         self.log_path = log_dir / f"{self.name}.log"
@@ -52,7 +60,7 @@ class Worker:
                     "--instance",
                     self.name,
                 ],
-                env=worker_env(self.settings),
+                env=worker_env(self.settings) | self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

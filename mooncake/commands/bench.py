@@ -28,6 +28,26 @@ def bench_bus(
     print_result("bench bus", result, as_json)
 
 
+@bench_app.command("store")
+def bench_store(
+    total_mib: Annotated[int, typer.Option(help="MiB moved per transport and object size")] = 256,
+    small_ops: Annotated[int, typer.Option(help="4 KiB objects for the small-op rates")] = 20000,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Store put/get GB/s per transport and object size vs plain tcp / memcpy baselines,
+    and batched 4 KiB exists/get rates, against a real master and node process."""
+    from mooncake.bench.store import run_store_bench
+
+    try:
+        result = asyncio.run(
+            run_store_bench(total_mib=total_mib, small_ops=small_ops, log=err.print)
+        )
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    print_result("bench store", result, as_json)
+
+
 @bench_app.command("conductor")
 def bench_conductor(
     requests: Annotated[int, typer.Option(help="Decisions to time (conversation trace)")] = 12000,

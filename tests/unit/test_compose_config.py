@@ -24,11 +24,13 @@ SERVICES = {
     "migrate",
     "recorder",
     "conductor",
+    "store-master",
+    "store-node",
     "jaeger",
     "prometheus",
     "grafana",
 }
-WORKERS = ("recorder", "conductor")
+WORKERS = ("recorder", "conductor", "store-master", "store-node")
 
 
 def _compose_binary() -> str:

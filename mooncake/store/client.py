@@ -1,0 +1,339 @@
+"""The store client: put / get / exists / remove, their batch forms, and zero-copy variants.
+
+put = `put_start` (the master allocates replicas, invisible to readers) -> the bytes are
+written straight into the nodes' segments by the transfer engine -> `put_end` (the object
+becomes visible atomically). A replica that fails to write revokes the put; a client that
+dies mid-put leaves a pending allocation the master reclaims after `put_timeout_s`.
+
+get = `lookup` (complete replicas only, with a read lease that blocks eviction and removal
+while the bytes are read) -> a read from the nearest replica (same host over shm, DRAM before
+SSD), falling back to the next replica if a node does not answer; no replica = a clean miss.
+
+Every op is one master round trip for the whole batch, and the transfers of a batch are
+grouped per endpoint (one vectored transfer each) and run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from nats.aio.client import Client as NATS
+from pydantic import BaseModel
+
+from mooncake import metrics
+from mooncake.namespace import Namespace
+from mooncake.store import protocol as p
+from mooncake.store.transfer.base import Transport, as_memoryview, available, make_client
+from mooncake.store.types import Pin, Placement, Reason, Region, Tier
+
+log = logging.getLogger("mooncake.store.client")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StoreError(Exception):
+    """The master could not be reached or answered with an error (not a refusal)."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    secret: bytes
+    transports: tuple[str, ...] = ("rdma", "shm", "tcp")
+    request_timeout_s: float = 5.0
+    # How long a put keeps retrying while the master makes room (an SSD offload in flight).
+    retry_later_s: float = 2.0
+
+
+@dataclass
+class _Op:
+    index: int
+    key: str
+    buf: memoryview
+    candidates: list[tuple[str, str, Region]]  # (transport, endpoint, region), best first
+
+
+class StoreClient:
+    def __init__(self, nc: NATS, ns: Namespace, config: ClientConfig) -> None:
+        self.nc, self.config = nc, config
+        self.subjects = p.Subjects(ns)
+        self._transports: dict[str, Transport] = {}
+        self._usable = [n for n in config.transports if available(n)[0]]
+        if not self._usable:
+            raise ValueError(f"no transport of {config.transports} is available here")
+
+    async def close(self) -> None:
+        for t in self._transports.values():
+            with contextlib.suppress(Exception):
+                await t.close()
+        self._transports.clear()
+
+    def _transport(self, name: str) -> Transport:
+        t = self._transports.get(name)
+        if t is None:
+            opts: dict[str, Any] = {"secret": self.config.secret}
+            if name == "rdma":
+                opts |= {"nc": self.nc, "subject_prefix": self.subjects.ns.subject("mc.store")}
+            t = self._transports[name] = make_client(name, **opts)
+        return t
+
+    def _route(self, endpoints: dict[str, str]) -> list[tuple[str, str]]:
+        """(transport, endpoint) pairs that reach a segment, in preference order."""
+        out = []
+        for name in self._usable:
+            ep = endpoints.get(name)
+            if ep is not None and self._transport(name).reaches(ep):
+                out.append((name, ep))
+        return out
+
+    async def _call(self, op: str, req: p.Wire, reply: type[M]) -> M:
+        try:
+            resp = await self.nc.request(
+                self.subjects.master(op),
+                req.model_dump_json().encode(),
+                timeout=self.config.request_timeout_s,
+            )
+        except Exception as e:
+            raise StoreError(f"store master did not answer {op}: {type(e).__name__}") from e
+        data = resp.data
+        if data.startswith(b'{"error"'):
+            raise StoreError(p.ErrorReply.model_validate_json(data).error)
+        return reply.model_validate_json(data)
+
+    # --- transfers --------------------------------------------------------------------------
+
+    async def _run(self, ops: list[_Op], direction: str) -> list[bool]:
+        """Run each op on its first candidate, grouped per endpoint; ops whose transfer
+        failed move on to their next candidate. Returns success per op (in order)."""
+        ok = [False] * len(ops)
+        pending = list(range(len(ops)))
+        while pending:
+            groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+            for i in pending:
+                if ops[i].candidates:
+                    name, ep, _ = ops[i].candidates[0]
+                    groups[(name, ep)].append(i)
+            if not groups:
+                break
+            results = await asyncio.gather(
+                *(
+                    self._transfer(name, ep, [ops[i] for i in idx], direction)
+                    for (name, ep), idx in groups.items()
+                ),
+                return_exceptions=True,
+            )
+            pending = []
+            for ((name, ep), idx), res in zip(groups.items(), results, strict=True):
+                if res is None:
+                    for i in idx:
+                        ok[i] = True
+                    continue
+                log.warning("%s %s via %s failed: %s", direction, ep, name, res)
+                for i in idx:
+                    ops[i].candidates.pop(0)
+                    pending.append(i)
+        return ok
+
+    async def _transfer(self, name: str, ep: str, ops: list[_Op], direction: str) -> None:
+        t = self._transport(name)
+        pairs = [(o.candidates[0][2], o.buf) for o in ops]
+        start = time.perf_counter()
+        if direction == "write":
+            await t.write_many(ep, pairs)
+        else:
+            await t.read_many(ep, pairs)
+        metrics.STORE_TRANSFER_SECONDS.labels(name, direction).observe(time.perf_counter() - start)
+        metrics.STORE_TRANSFER_BYTES.labels(name, direction).inc(sum(len(o.buf) for o in ops))
+
+    def _candidates(
+        self, replicas: list[p.ReplicaWire], segments: dict[str, dict[str, str]]
+    ) -> list[tuple[str, str, Region]]:
+        ranked: list[tuple[int, int, str, str, Region]] = []
+        for r in replicas:
+            region = Region(r.segment_id, r.offset, r.size)
+            for rank, (name, ep) in enumerate(self._route(segments.get(r.segment_id, {}))):
+                local = 0 if name != "tcp" else 1  # shm / rdma before tcp
+                tier = 0 if r.tier is Tier.DRAM else 1
+                ranked.append((local * 10 + tier, rank, name, ep, region))
+        ranked.sort(key=lambda x: (x[0], x[1]))
+        return [(name, ep, region) for _, _, name, ep, region in ranked]
+
+    # --- put --------------------------------------------------------------------------------
+
+    async def put(self, key: str, data: Any, **opts: Any) -> p.Refused | None:
+        return (await self.put_many([(key, data)], **opts))[0]
+
+    async def put_many(
+        self,
+        items: Sequence[tuple[str, Any]],
+        *,
+        replicas: int = 1,
+        pin: Pin = Pin.NONE,
+        preferred_segment: str | None = None,
+        placement: Placement = Placement.MOST_FREE,
+    ) -> list[p.Refused | None]:
+        """Store each (key, buffer); None = stored, else why not. Buffers are read in place
+        (bytes, bytearray, memoryview, numpy array, CPU torch tensor), never copied."""
+        if not items:
+            return []
+        bufs = [as_memoryview(data, writable=False) for _, data in items]
+        results: list[p.Refused | None] = [None] * len(items)
+        todo = list(range(len(items)))
+        deadline = time.monotonic() + self.config.retry_later_s
+        delay = 0.005
+        while todo:
+            retry = await self._put_round(
+                items, bufs, todo, results, replicas, pin, preferred_segment, placement
+            )
+            if not retry or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+            todo = retry
+        for r in results:
+            metrics.STORE_OPS.labels("put", "ok" if r is None else r.reason.value).inc()
+        return results
+
+    async def _put_round(
+        self,
+        items: Sequence[tuple[str, Any]],
+        bufs: list[memoryview],
+        todo: list[int],
+        results: list[p.Refused | None],
+        replicas: int,
+        pin: Pin,
+        preferred_segment: str | None,
+        placement: Placement,
+    ) -> list[int]:
+        req = p.PutStartRequest(
+            items=[
+                p.PutItem(
+                    key=items[i][0],
+                    size=len(bufs[i]),
+                    replicas=replicas,
+                    pin=pin,
+                    preferred_segment=preferred_segment,
+                    placement=placement,
+                )
+                for i in todo
+            ]
+        )
+        started = await self._call("put_start", req, p.PutStartReply)
+        ops: list[_Op] = []
+        op_item: list[int] = []
+        retry: list[int] = []
+        for i, res in zip(todo, started.results, strict=True):
+            if isinstance(res, p.Refused):
+                results[i] = res
+                if res.reason is Reason.RETRY_LATER:
+                    retry.append(i)
+                continue
+            for r in res.replicas:
+                route = self._route(started.segments.get(r.segment_id, {}))
+                region = Region(r.segment_id, r.offset, r.size)
+                ops.append(_Op(i, items[i][0], bufs[i], [(n, ep, region) for n, ep in route]))
+                op_item.append(i)
+        written = await self._run(ops, "write") if ops else []
+        failed = {op_item[j] for j, ok in enumerate(written) if not ok}
+        done = sorted({i for i in op_item if i not in failed})
+        for i in failed:
+            results[i] = p.Refused(reason=Reason.NO_SPACE, detail="a replica could not be written")
+        if failed:
+            await self._call(
+                "put_revoke", p.KeysRequest(keys=[items[i][0] for i in failed]), p.ResultsReply
+            )
+        if done:
+            ended = await self._call(
+                "put_end", p.KeysRequest(keys=[items[i][0] for i in done]), p.ResultsReply
+            )
+            for i, res in zip(done, ended.results, strict=True):
+                results[i] = res
+        return retry
+
+    # --- get --------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytearray | None:
+        return (await self.get_many([key]))[0]
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """The objects' bytes (None = miss)."""
+        out: list[bytearray | None] = [None] * len(keys)
+
+        def alloc(i: int, size: int) -> memoryview:
+            buf = out[i] = bytearray(size)
+            return memoryview(buf)
+
+        sizes = await self._get(keys, alloc)
+        return [b if s is not None else None for b, s in zip(out, sizes, strict=True)]
+
+    async def get_into(self, key: str, out: Any) -> int | None:
+        return (await self.get_many_into([key], [out]))[0]
+
+    async def get_many_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[int | None]:
+        """Read each object into the caller's buffer (zero-copy: the transport writes straight
+        into it). Returns the object's size per key, None for a miss. A buffer smaller than
+        its object is a ValueError (nothing is read)."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
+        views = [as_memoryview(o, writable=True) for o in outs]
+
+        def into(i: int, size: int) -> memoryview:
+            if len(views[i]) < size:
+                raise ValueError(
+                    f"buffer for {keys[i]!r} holds {len(views[i])} bytes, the object {size}"
+                )
+            return views[i][:size]
+
+        return await self._get(keys, into)
+
+    async def _get(
+        self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview]
+    ) -> list[int | None]:
+        if not keys:
+            return []
+        found = await self._call("lookup", p.KeysRequest(keys=list(keys)), p.LookupReply)
+        ops: list[_Op] = []
+        sizes: list[int | None] = [None] * len(keys)
+        for i, res in enumerate(found.results):
+            if isinstance(res, p.Refused) or not res.replicas:
+                continue
+            size = res.replicas[0].size
+            cands = self._candidates(res.replicas, found.segments)
+            ops.append(_Op(i, keys[i], buffer_for(i, size), cands))
+            sizes[i] = size
+        read = await self._run(ops, "read") if ops else []
+        for op, ok in zip(ops, read, strict=True):
+            if not ok:
+                sizes[op.index] = None
+        hits = sum(s is not None for s in sizes)
+        metrics.STORE_OPS.labels("get", "hit").inc(hits)
+        metrics.STORE_OPS.labels("get", "miss").inc(len(keys) - hits)
+        return sizes
+
+    # --- exists / remove --------------------------------------------------------------------
+
+    async def exists(self, key: str) -> bool:
+        return (await self.exists_many([key]))[0]
+
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        reply = await self._call("exists", p.KeysRequest(keys=list(keys)), p.ExistsReply)
+        return reply.results
+
+    async def remove(self, key: str, *, force: bool = False) -> p.Refused | None:
+        return (await self.remove_many([key], force=force))[0]
+
+    async def remove_many(
+        self, keys: Sequence[str], *, force: bool = False
+    ) -> list[p.Refused | None]:
+        if not keys:
+            return []
+        req = p.KeysRequest(keys=list(keys), force=force)
+        return (await self._call("remove", req, p.ResultsReply)).results

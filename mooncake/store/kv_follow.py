@@ -1,0 +1,83 @@
+"""Follow every node's KV index events (`mc.kv.events.<node>`, core NATS) into a BlockIndex.
+
+Core NATS may drop a message (a slow consumer, a reconnect): the per-node sequence numbers
+reveal the gap and the follower then fetches that node's snapshot
+(`mc.kv.snapshot.<node>`, request/reply) and carries on from it. The Conductor owns one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from mooncake.namespace import Namespace
+from mooncake.store import protocol as p
+from mooncake.store.kv_index import KvEventBatch, KvIndexFollower, KvSnapshot, NeedSnapshot
+
+log = logging.getLogger("mooncake.store.kv_follow")
+
+
+class KvIndexSubscriber:
+    def __init__(
+        self, nc: NATS, ns: Namespace, follower: KvIndexFollower, *, timeout_s: float = 2.0
+    ) -> None:
+        self.nc, self.follower, self.timeout_s = nc, follower, timeout_s
+        self.subjects = p.Subjects(ns)
+        self.snapshots = 0
+        self._sub: Subscription | None = None
+        self._fetching: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.subjects.kv_events("*"), cb=self._on_events)
+        await self.nc.flush()
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _on_events(self, msg: Msg) -> None:
+        try:
+            w = p.KvEvents.model_validate_json(msg.data)
+        except Exception:
+            log.warning("unreadable KV events on %s ignored", msg.subject)
+            return
+        batch = KvEventBatch(w.node_id, w.seq, tuple(w.stored), tuple(w.removed), w.epoch)
+        res = self.follower.apply(batch)
+        if isinstance(res, NeedSnapshot) and w.node_id not in self._fetching:
+            self._fetching.add(w.node_id)
+            task = asyncio.get_running_loop().create_task(self._fetch(w.node_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _fetch(self, node_id: str) -> None:
+        try:
+            delay = 0.05
+            for _ in range(8):
+                try:
+                    resp = await self.nc.request(
+                        self.subjects.kv_snapshot(node_id), b"", timeout=self.timeout_s
+                    )
+                    w = p.KvSnapshotWire.model_validate_json(resp.data)
+                    snap = KvSnapshot(w.node_id, w.seq, tuple(w.keys), w.epoch)
+                    res = self.follower.load_snapshot(snap)
+                    self.snapshots += 1
+                    if not isinstance(res, NeedSnapshot):
+                        return
+                    # Batches buffered behind it still have a hole: take a newer snapshot.
+                except Exception as e:
+                    log.info("snapshot of %s failed (%s); retrying", node_id, type(e).__name__)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+            log.warning("no usable snapshot from %s: its blocks stay out of the index", node_id)
+        finally:
+            self._fetching.discard(node_id)

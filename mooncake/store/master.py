@@ -1,0 +1,363 @@
+"""The store master as a NATS service: request/reply around the pure `MasterState`.
+
+The state is authoritative in memory; every change leaves the process three ways:
+- the journal: `kv.object.stored` / `kv.object.removed` events on JetStream (batched, off the
+  reply path), folded into the `kv_objects` projection by the recorder;
+- node notifications (`NodeChanges`, per-node sequence numbers) so each node knows what its
+  segments hold: it reports that on re-mount after a master restart, and publishes it as KV
+  index events;
+- `Move` commands to a node (SSD offload on eviction, promotion on hit), whose outcome comes
+  back as `move_done` / `move_failed`.
+
+A restarted master knows nothing: nodes learn it from their next heartbeat (UNKNOWN_NODE),
+re-mount, and report the objects whose bytes they still hold, which are adopted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import BaseModel, ValidationError
+
+from mooncake import events as ev
+from mooncake.bus.publish import Publisher
+from mooncake.config import StoreSettings
+from mooncake.store import master_state as ms
+from mooncake.store import protocol as p
+from mooncake.store.types import Reason, Replica, ReplicaState
+
+log = logging.getLogger("mooncake.store.master")
+
+Clock = Callable[[], float]
+
+
+def master_config(s: StoreSettings) -> ms.MasterConfig:
+    return ms.MasterConfig(
+        lease_s=s.lease_s,
+        high_watermark=s.high_watermark,
+        evict_fraction=s.evict_fraction,
+        put_timeout_s=s.put_timeout_s,
+        node_timeout_s=s.node_timeout_s,
+    )
+
+
+def _refused(r: ms.Refusal) -> p.Refused:
+    return p.Refused(reason=r.reason, detail=r.detail[:500])
+
+
+def _journal_replica(r: Replica) -> ev.Replica:
+    return ev.Replica(node=r.node_id, segment=r.segment_id, tier=r.tier.value)
+
+
+class StoreMaster:
+    def __init__(
+        self,
+        nc: NATS,
+        ns: ev.Namespace,
+        state: ms.MasterState,
+        *,
+        publisher: Publisher | None = None,
+        clock: Clock = time.monotonic,
+        tick_s: float = 0.1,
+        move_timeout_s: float = 10.0,
+    ) -> None:
+        self.nc, self.state, self.publisher = nc, state, publisher
+        self.subjects = p.Subjects(ns)
+        self.clock, self.tick_s, self.move_timeout_s = clock, tick_s, move_timeout_s
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._node_seq: dict[str, int] = defaultdict(int)
+        self._journal: list[ev.Event] = []
+        self._journal_ready = asyncio.Event()
+        self._handlers: dict[str, Callable[[bytes], BaseModel]] = {
+            "mount": self._mount,
+            "heartbeat": self._heartbeat,
+            "put_start": self._put_start,
+            "put_end": self._put_end,
+            "put_revoke": self._put_revoke,
+            "lookup": self._lookup,
+            "exists": self._exists,
+            "remove": self._remove,
+            "node_objects": self._node_objects,
+        }
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for op in p.MASTER_OPS:
+            self._subs.append(await self.nc.subscribe(self.subjects.master(op), cb=self._serve))
+        self._spawn(self._tick_loop())
+        if self.publisher is not None:
+            self._spawn(self._journal_loop())
+        await self.nc.flush()
+        log.info("store master up")
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        await self._flush_journal()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- request dispatch -----------------------------------------------------------------
+
+    async def _serve(self, msg: Msg) -> None:
+        op = msg.subject.rsplit(".", 1)[-1]
+        handler = self._handlers.get(op)
+        try:
+            reply: BaseModel = (
+                handler(msg.data) if handler else p.ErrorReply(error=f"unknown op {op!r}")
+            )
+        except ValidationError as e:
+            reply = p.ErrorReply(
+                error=f"invalid {op} request: {e.error_count()} error(s): "[:200]
+                + str(e.errors(include_url=False, include_input=False))[:1500]
+            )
+        except Exception as e:  # a bug must not take the master down
+            log.exception("store master: %s failed", op)
+            reply = p.ErrorReply(error=f"{op} failed: {type(e).__name__}")
+        self._dispatch_changes()
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(reply.model_dump_json().encode())
+
+    def _segments_of(self, replicas: list[p.ReplicaWire]) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        for r in replicas:
+            if r.segment_id not in out:
+                info = self.state.segment(r.segment_id)
+                out[r.segment_id] = dict(info.endpoints) if info else {}
+        return out
+
+    # --- ops ----------------------------------------------------------------------------------
+
+    def _mount(self, data: bytes) -> p.MountReply:
+        req = p.MountRequest.model_validate_json(data)
+        now = self.clock()
+        bad = [s for s in req.segments if s.node_id != req.node_id]
+        if bad:
+            return p.MountReply(
+                refused=[p.Refused(reason=Reason.INVALID, detail="segment of another node")]
+            )
+        objects = [
+            ms.ReportedObject(o.key, o.segment_id, o.offset, o.size, o.pin) for o in req.objects
+        ]
+        res = self.state.restore(req.node_id, [s.info() for s in req.segments], objects, now)
+        if isinstance(res, ms.Refusal):
+            return p.MountReply(refused=[_refused(res)])
+        # The node's view now equals the master's: restart its change sequence.
+        self._node_seq[req.node_id] = 0
+        log.info(
+            "node %s mounted %d segment(s); adopted %d object(s), rejected %d",
+            req.node_id,
+            len(req.segments),
+            res.adopted,
+            res.rejected,
+        )
+        return p.MountReply(adopted=res.adopted, rejected=res.rejected)
+
+    def _heartbeat(self, data: bytes) -> p.OkReply:
+        req = p.HeartbeatRequest.model_validate_json(data)
+        res = self.state.heartbeat(req.node_id, self.clock())
+        return p.OkReply(refused=_refused(res) if isinstance(res, ms.Refusal) else None)
+
+    def _put_start(self, data: bytes) -> p.PutStartReply:
+        req = p.PutStartRequest.model_validate_json(data)
+        now = self.clock()
+        results: list[p.Plan | p.Refused] = []
+        replicas: list[p.ReplicaWire] = []
+        for it in req.items:
+            res = self.state.put_start(
+                it.key,
+                it.size,
+                now,
+                replicas=it.replicas,
+                preferred_segment=it.preferred_segment,
+                pin=it.pin,
+                placement=it.placement,
+            )
+            if isinstance(res, ms.Refusal):
+                results.append(_refused(res))
+            else:
+                wires = [p.ReplicaWire.of(r) for r in res.replicas]
+                replicas += wires
+                results.append(p.Plan(replicas=wires))
+        return p.PutStartReply(results=results, segments=self._segments_of(replicas))
+
+    def _keys_op(self, data: bytes, op: Callable[[str, float], Any]) -> p.ResultsReply:
+        req = p.KeysRequest.model_validate_json(data)
+        now = self.clock()
+        out: list[p.Refused | None] = []
+        for key in req.keys:
+            res = op(key, now)
+            out.append(_refused(res) if isinstance(res, ms.Refusal) else None)
+        return p.ResultsReply(results=out)
+
+    def _put_end(self, data: bytes) -> p.ResultsReply:
+        return self._keys_op(data, self.state.put_end)
+
+    def _put_revoke(self, data: bytes) -> p.ResultsReply:
+        return self._keys_op(data, self.state.put_revoke)
+
+    def _remove(self, data: bytes) -> p.ResultsReply:
+        req = p.KeysRequest.model_validate_json(data)
+        now = self.clock()
+        out: list[p.Refused | None] = []
+        for key in req.keys:
+            res = self.state.remove(key, now, force=req.force)
+            out.append(_refused(res) if isinstance(res, ms.Refusal) else None)
+        return p.ResultsReply(results=out)
+
+    def _lookup(self, data: bytes) -> p.LookupReply:
+        req = p.KeysRequest.model_validate_json(data)
+        now = self.clock()
+        results: list[p.Found | p.Refused] = []
+        replicas: list[p.ReplicaWire] = []
+        for key in req.keys:
+            res = self.state.lookup(key, now)
+            if isinstance(res, ms.Refusal):
+                results.append(_refused(res))
+                continue
+            wires = [p.ReplicaWire.of(r) for r in res.replicas]
+            replicas += wires
+            results.append(p.Found(replicas=wires, lease_s=max(0.0, res.lease_until - now)))
+        return p.LookupReply(results=results, segments=self._segments_of(replicas))
+
+    def _exists(self, data: bytes) -> p.ExistsReply:
+        req = p.KeysRequest.model_validate_json(data)
+        return p.ExistsReply(results=self.state.exists_many(req.keys))
+
+    def _node_objects(self, data: bytes) -> p.NodeObjects:
+        req = p.NodeObjectsRequest.model_validate_json(data)
+        held = [
+            p.HeldObject(key=k, segment_id=r.segment_id, offset=r.offset, size=r.size, pin=pin)
+            for k, r, pin in self.state.node_objects(req.node_id)
+        ]
+        return p.NodeObjects(seq=self._node_seq[req.node_id], objects=held)
+
+    # --- changes: journal, node notifications, moves ------------------------------------
+
+    def _node_view(self, key: str, node: str) -> p.NodeUpdate:
+        obj = self.state.object(key)
+        held: list[p.HeldObject] = []
+        if obj is not None:
+            for r in obj.replicas:
+                if r.node_id == node and r.state is ReplicaState.COMPLETE:
+                    held.append(
+                        p.HeldObject(
+                            key=key,
+                            segment_id=r.segment_id,
+                            offset=r.offset,
+                            size=r.size,
+                            pin=obj.pin,
+                        )
+                    )
+        return p.NodeUpdate(key=key, held=held)
+
+    def _dispatch_changes(self) -> None:
+        changes = self.state.drain()
+        if not changes:
+            return
+        per_node: dict[str, list[p.NodeUpdate]] = defaultdict(list)
+        for c in changes:
+            match c:
+                case ms.ObjectStored(key=key, size=size, replicas=reps, pin=pin):
+                    self._journal.append(
+                        ev.KvObjectStored(
+                            key=key,
+                            size_bytes=size,
+                            replicas=[_journal_replica(r) for r in reps],
+                            pin=pin.value,
+                        )
+                    )
+                    for node in {r.node_id for r in reps}:
+                        per_node[node].append(self._node_view(key, node))
+                case ms.ObjectRemoved(key=key, reason=reason, nodes=nodes):
+                    self._journal.append(ev.KvObjectRemoved(key=key, reason=reason))
+                    for node in nodes:
+                        per_node[node].append(p.NodeUpdate(key=key, held=[]))
+                case ms.ReplicaDropped(key=key, replica=r):
+                    per_node[r.node_id].append(self._node_view(key, r.node_id))
+                case ms.Move():
+                    self._spawn(self._move(c))
+        for node, updates in per_node.items():
+            self._node_seq[node] += 1
+            msg = p.NodeChanges(seq=self._node_seq[node], updates=updates)
+            self._spawn(self._notify(self.subjects.node(node, "changes"), msg))
+        if self._journal:
+            self._journal_ready.set()
+
+    async def _notify(self, subject: str, msg: BaseModel) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.publish(subject, msg.model_dump_json().encode())
+
+    async def _move(self, move: ms.Move) -> None:
+        req = p.MoveRequest(
+            key=move.key, src=p.ReplicaWire.of(move.src), dst=p.ReplicaWire.of(move.dst)
+        )
+        ok = False
+        try:
+            resp = await self.nc.request(
+                self.subjects.node(move.dst.node_id, "move"),
+                req.model_dump_json().encode(),
+                timeout=self.move_timeout_s,
+            )
+            ok = p.OkReply.model_validate_json(resp.data).refused is None
+        except Exception as e:
+            log.warning("move of %s to %s failed: %s", move.key, move.dst.segment_id, e)
+        now = self.clock()
+        if ok:
+            self.state.move_done(move.key, move.dst.segment_id, now)
+        else:
+            self.state.move_failed(move.key, move.dst.segment_id, now)
+        self._dispatch_changes()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                self.state.tick(self.clock())
+                self._dispatch_changes()
+            except Exception:
+                log.exception("store master tick failed")
+
+    async def _flush_journal(self) -> None:
+        if self.publisher is None or not self._journal:
+            return
+        batch, self._journal = self._journal, []
+        try:
+            await self.publisher.publish_many(batch)
+        except Exception:
+            log.exception("journal publish of %d event(s) failed; kept for retry", len(batch))
+            self._journal = batch + self._journal
+
+    async def _journal_loop(self) -> None:
+        while True:
+            await self._journal_ready.wait()
+            self._journal_ready.clear()
+            await self._flush_journal()
+            if self._journal:  # failed: back off, then retry
+                await asyncio.sleep(1.0)
+                self._journal_ready.set()
+
+
+def new_state(settings: StoreSettings, seed: int | None = None) -> ms.MasterState:
+    return ms.MasterState(master_config(settings), random.Random(seed))

@@ -1,0 +1,315 @@
+"""A store node: owns segments (DRAM in shared memory, pre-touched; optionally an SSD tier file),
+serves them through the transfer engine, mounts them with the master and heartbeats.
+
+The node never decides anything about objects: the master allocates, and tells the node
+(`NodeChanges`) what its segments hold. The node keeps that map so it can
+- report it on re-mount after a master restart (objects whose bytes exist are found again),
+- publish KV index events (`mc.kv.events.<node>`, per-node sequence numbers) and answer
+  snapshot requests, which feed the Conductor's prefix index,
+- copy bytes between its own segments when the master says so (SSD offload / promotion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from mooncake import metrics
+from mooncake.namespace import Namespace
+from mooncake.store import protocol as p
+from mooncake.store.kv_index import KvEventLog
+from mooncake.store.segment import Segment
+from mooncake.store.transfer.base import (
+    SegmentTable,
+    TransferError,
+    TransportServer,
+    available,
+    make_server,
+)
+from mooncake.store.types import Region, Tier
+
+log = logging.getLogger("mooncake.store.node")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str
+    secret: bytes
+    dram_bytes: int
+    ssd_bytes: int = 0
+    ssd_dir: Path | None = None
+    transports: tuple[str, ...] = ("rdma", "shm", "tcp")
+    tcp_host: str = "127.0.0.1"
+    tcp_port: int = 0
+    heartbeat_s: float = 1.0
+    request_timeout_s: float = 5.0
+
+
+@dataclass
+class NodeStats:
+    mounts: int = 0
+    moves: int = 0
+    change_gaps: int = 0
+    kv_batches: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class StoreNode:
+    def __init__(self, nc: NATS, ns: Namespace, config: NodeConfig) -> None:
+        self.nc, self.config = nc, config
+        self.subjects = p.Subjects(ns)
+        self.table = SegmentTable()
+        self.segments: list[Segment] = []
+        self.servers: list[TransportServer] = []
+        # key -> {segment_id: HeldObject}: what the master says this node's segments hold.
+        self.held: dict[str, dict[str, p.HeldObject]] = {}
+        self.kv_log = KvEventLog(config.node_id, epoch=secrets.token_hex(8))
+        self.stats = NodeStats()
+        self._seq = 0  # last NodeChanges seq applied
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._resync_lock = asyncio.Lock()
+        self._mounted = asyncio.Event()
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.segments.append(
+            Segment.create_dram(f"{cfg.node_id}-dram", cfg.node_id, cfg.dram_bytes)
+        )
+        if cfg.ssd_bytes > 0:
+            directory = cfg.ssd_dir or Path(".mooncake/ssd")
+            directory.mkdir(parents=True, exist_ok=True)
+            self.segments.append(
+                Segment.create_ssd(f"{cfg.node_id}-ssd", cfg.node_id, cfg.ssd_bytes, directory)
+            )
+        for seg in self.segments:
+            self.table.add(seg)
+        for name in cfg.transports:
+            ok, why = available(name)
+            if not ok:
+                log.info("transport %s not used: %s", name, why)
+                continue
+            server = make_server(name, **self._server_options(name))
+            await server.start(self.table)
+            self.servers.append(server)
+        if not self.servers:
+            raise RuntimeError(f"no transport of {cfg.transports} is available here")
+        sub = self.subjects
+        self._subs += [
+            await self.nc.subscribe(sub.node(cfg.node_id, "move"), cb=self._on_move),
+            await self.nc.subscribe(sub.node(cfg.node_id, "changes"), cb=self._on_changes),
+            await self.nc.subscribe(sub.kv_snapshot(cfg.node_id), cb=self._on_snapshot),
+        ]
+        await self.nc.flush()
+        await self._mount()
+        self._spawn(self._heartbeat_loop())
+
+    def _server_options(self, name: str) -> dict[str, object]:
+        opts: dict[str, object] = {"secret": self.config.secret}
+        if name == "tcp":
+            opts |= {"host": self.config.tcp_host, "port": self.config.tcp_port}
+        elif name == "rdma":
+            opts |= {"nc": self.nc, "subject_prefix": self.subjects.ns.subject("mc.store")}
+        return opts
+
+    async def stop(self) -> None:
+        for s in self._subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                await server.stop()
+        for seg in self.segments:
+            seg.close()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def segment_infos(self) -> list[p.SegmentWire]:
+        out = []
+        for seg in self.segments:
+            endpoints = {s.name: s.endpoint(seg.info.segment_id) for s in self.servers}
+            i = seg.info
+            out.append(
+                p.SegmentWire(
+                    segment_id=i.segment_id,
+                    node_id=i.node_id,
+                    tier=i.tier,
+                    size=i.size,
+                    endpoints=endpoints,
+                )
+            )
+        return out
+
+    # --- control plane --------------------------------------------------------------------
+
+    async def _request(self, op: str, msg: p.Wire) -> bytes:
+        resp = await self.nc.request(
+            self.subjects.master(op),
+            msg.model_dump_json().encode(),
+            timeout=self.config.request_timeout_s,
+        )
+        return bytes(resp.data)
+
+    async def _mount(self) -> None:
+        """Mount every segment and report what they hold; retried until a master answers."""
+        objects = [o for by_seg in self.held.values() for o in by_seg.values()]
+        req = p.MountRequest(
+            node_id=self.config.node_id, segments=self.segment_infos(), objects=objects
+        )
+        delay = 0.1
+        while True:
+            # The master restarts this node's change sequence at every mount, and may send
+            # its first changes before the reply arrives: expect seq 1 from now on.
+            self._seq = 0
+            try:
+                reply = p.MountReply.model_validate_json(await self._request("mount", req))
+                break
+            except Exception as e:
+                log.info("mount: master not answering (%s); retrying", type(e).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        if reply.refused:
+            raise RuntimeError(f"master refused the mount: {reply.refused}")
+        self.stats.mounts += 1
+        self._mounted.set()
+        log.info(
+            "node %s mounted (adopted %d, rejected %d)",
+            self.config.node_id,
+            reply.adopted,
+            reply.rejected,
+        )
+        if reply.rejected:
+            await self._resync()
+
+    async def _heartbeat_loop(self) -> None:
+        req = p.HeartbeatRequest(node_id=self.config.node_id)
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                reply = p.OkReply.model_validate_json(await self._request("heartbeat", req))
+            except Exception as e:
+                log.warning("heartbeat failed: %s", type(e).__name__)
+                continue
+            if reply.refused is not None:  # the master restarted and does not know us
+                log.warning("master does not know node %s: re-mounting", self.config.node_id)
+                await self._mount()
+
+    # --- what the segments hold -------------------------------------------------------------
+
+    def _apply(self, update: p.NodeUpdate) -> tuple[list[str], list[str]]:
+        before = update.key in self.held
+        if update.held:
+            self.held[update.key] = {o.segment_id: o for o in update.held}
+        else:
+            self.held.pop(update.key, None)
+        after = update.key in self.held
+        if after and not before:
+            return [update.key], []
+        if before and not after:
+            return [], [update.key]
+        return [], []
+
+    async def _on_changes(self, msg: Msg) -> None:
+        try:
+            changes = p.NodeChanges.model_validate_json(msg.data)
+        except Exception:
+            log.warning("unreadable NodeChanges ignored")
+            return
+        if changes.seq <= self._seq:
+            return
+        if changes.seq != self._seq + 1:
+            self.stats.change_gaps += 1
+            await self._resync()
+            return
+        self._seq = changes.seq
+        stored: list[str] = []
+        removed: list[str] = []
+        for u in changes.updates:
+            s, r = self._apply(u)
+            stored += s
+            removed += r
+        await self._publish_kv(stored, removed)
+
+    async def _resync(self) -> None:
+        """Replace the map by the master's listing (a notification was lost)."""
+        async with self._resync_lock:
+            try:
+                data = await self._request(
+                    "node_objects", p.NodeObjectsRequest(node_id=self.config.node_id)
+                )
+                listing = p.NodeObjects.model_validate_json(data)
+            except Exception as e:
+                log.warning("resync failed: %s", e)
+                return
+            old = set(self.held)
+            self.held = {}
+            for o in listing.objects:
+                self.held.setdefault(o.key, {})[o.segment_id] = o
+            self._seq = listing.seq
+            new = set(self.held)
+            await self._publish_kv(sorted(new - old), sorted(old - new))
+
+    async def _publish_kv(self, stored: list[str], removed: list[str]) -> None:
+        if not stored and not removed:
+            return
+        batch = self.kv_log.record(stored, removed)
+        wire = p.KvEvents(
+            node_id=batch.node_id,
+            seq=batch.seq,
+            epoch=batch.epoch,
+            stored=list(batch.stored),
+            removed=list(batch.removed),
+        )
+        self.stats.kv_batches += 1
+        with contextlib.suppress(Exception):
+            await self.nc.publish(
+                self.subjects.kv_events(self.config.node_id), wire.model_dump_json().encode()
+            )
+
+    async def _on_snapshot(self, msg: Msg) -> None:
+        snap = self.kv_log.snapshot()
+        wire = p.KvSnapshotWire(
+            node_id=snap.node_id, seq=snap.seq, epoch=snap.epoch, keys=sorted(snap.keys)
+        )
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(wire.model_dump_json().encode())
+
+    # --- moves between own segments (SSD offload on eviction, promotion on hit) -----------
+
+    async def _on_move(self, msg: Msg) -> None:
+        reply = p.OkReply()
+        try:
+            req = p.MoveRequest.model_validate_json(msg.data)
+            if req.src.size != req.dst.size:
+                raise TransferError("bad_request", "sizes differ")
+            src = self.table.resolve(Region(req.src.segment_id, req.src.offset, req.src.size))
+            dst = self.table.resolve(Region(req.dst.segment_id, req.dst.offset, req.dst.size))
+            dst[:] = src
+            seg = self.table.get(req.dst.segment_id)
+            if seg.info.tier is Tier.SSD:
+                seg.flush(req.dst.offset, req.dst.size)
+            self.stats.moves += 1
+            metrics.STORE_MOVES.labels(req.src.tier.value, req.dst.tier.value).inc()
+        except Exception as e:
+            log.warning("move refused: %s", e)
+            reply = p.OkReply(refused=p.Refused(reason="invalid", detail=str(e)[:500]))
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(reply.model_dump_json().encode())

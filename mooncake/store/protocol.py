@@ -1,0 +1,256 @@
+"""The store's control plane on the wire: NATS request/reply between clients, nodes and the
+master. Every message is a frozen pydantic model validated once where it arrives; a request
+that does not validate gets an `ErrorReply`, never a crash.
+
+Subjects (canonical, namespaced like everything else, see `subjects`):
+- `mc.store.<op>`: the master (mount, heartbeat, put_start, put_end, put_revoke, lookup,
+  exists, remove, node_objects);
+- `mc.store.node.<node>.move`: the master asks a node to copy an object between two of its
+  own segments (SSD offload on eviction, promotion on hit);
+- `mc.store.node.<node>.changes`: the master tells a node which objects its segments hold now
+  (per-node sequence numbers; a gap makes the node fetch `node_objects`);
+- `mc.kv.events.<node>` / `mc.kv.snapshot.<node>`: a node's KV index events and snapshots.
+
+Every op is a batch (`keys` / `items`); the single forms are batches of one.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mooncake.namespace import Namespace
+from mooncake.store.types import Pin, Placement, Reason, Replica, ReplicaState, SegmentInfo, Tier
+
+MAX_BATCH = 10_000
+Key = Annotated[str, Field(min_length=1, max_length=256)]
+NodeId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+SegmentId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+Size = Annotated[int, Field(ge=0, le=1 << 50)]
+
+MASTER_OPS = (
+    "mount",
+    "heartbeat",
+    "put_start",
+    "put_end",
+    "put_revoke",
+    "lookup",
+    "exists",
+    "remove",
+    "node_objects",
+)
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SegmentWire(Wire):
+    segment_id: SegmentId
+    node_id: NodeId
+    tier: Tier
+    size: Annotated[int, Field(gt=0, le=1 << 50)]
+    endpoints: dict[str, Annotated[str, Field(max_length=512)]] = {}
+
+    @classmethod
+    def of(cls, info: SegmentInfo) -> SegmentWire:
+        return cls(
+            segment_id=info.segment_id,
+            node_id=info.node_id,
+            tier=info.tier,
+            size=info.size,
+            endpoints=dict(info.endpoints),
+        )
+
+    def info(self) -> SegmentInfo:
+        return SegmentInfo(self.segment_id, self.node_id, self.tier, self.size, self.endpoints)
+
+
+class ReplicaWire(Wire):
+    segment_id: SegmentId
+    node_id: NodeId
+    tier: Tier
+    offset: Size
+    size: Size
+    state: ReplicaState = ReplicaState.COMPLETE
+
+    @classmethod
+    def of(cls, r: Replica) -> ReplicaWire:
+        return cls(
+            segment_id=r.segment_id,
+            node_id=r.node_id,
+            tier=r.tier,
+            offset=r.offset,
+            size=r.size,
+            state=r.state,
+        )
+
+    def replica(self) -> Replica:
+        return Replica(self.segment_id, self.node_id, self.tier, self.offset, self.size, self.state)
+
+
+class HeldObject(Wire):
+    """One object a node holds: what it reports on (re-)mount and what `changes` carry."""
+
+    key: Key
+    segment_id: SegmentId
+    offset: Size
+    size: Size
+    pin: Pin = Pin.NONE
+
+
+class Refused(Wire):
+    reason: Reason
+    detail: Annotated[str, Field(max_length=500)] = ""
+
+
+class ErrorReply(Wire):
+    """The request itself was unreadable (bad JSON, wrong fields, batch too large)."""
+
+    error: Annotated[str, Field(max_length=2000)]
+
+
+# --- master requests ---------------------------------------------------------------------
+
+
+class MountRequest(Wire):
+    node_id: NodeId
+    segments: Annotated[list[SegmentWire], Field(min_length=1, max_length=64)]
+    # Objects whose bytes the node still holds: after a master restart they are adopted.
+    objects: Annotated[list[HeldObject], Field(max_length=10_000_000)] = []
+
+
+class MountReply(Wire):
+    refused: list[Refused] = []
+    adopted: int = 0
+    rejected: int = 0
+
+
+class HeartbeatRequest(Wire):
+    node_id: NodeId
+
+
+class OkReply(Wire):
+    refused: Refused | None = None
+
+
+class PutItem(Wire):
+    key: Key
+    size: Annotated[int, Field(gt=0, le=1 << 40)]
+    replicas: Annotated[int, Field(ge=1, le=16)] = 1
+    pin: Pin = Pin.NONE
+    preferred_segment: SegmentId | None = None
+    placement: Placement = Placement.MOST_FREE
+
+
+class PutStartRequest(Wire):
+    items: Annotated[list[PutItem], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class Plan(Wire):
+    replicas: list[ReplicaWire]
+
+
+class SegmentsMixin(Wire):
+    # Endpoints of every segment the reply's replicas live in (one entry per segment).
+    segments: dict[str, dict[str, str]] = {}
+
+
+class PutStartReply(SegmentsMixin):
+    results: list[Plan | Refused]
+
+
+class KeysRequest(Wire):
+    keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_BATCH)]
+    force: bool = False  # remove only: ignore read leases
+
+
+class ResultsReply(Wire):
+    results: list[Refused | None]  # None = done
+
+
+class Found(Wire):
+    replicas: list[ReplicaWire]
+    lease_s: float
+
+
+class LookupReply(SegmentsMixin):
+    results: list[Found | Refused]
+
+
+class ExistsReply(Wire):
+    results: list[bool]
+
+
+class NodeObjectsRequest(Wire):
+    node_id: NodeId
+
+
+class NodeObjects(Wire):
+    seq: int
+    objects: list[HeldObject]
+
+
+# --- master -> node ----------------------------------------------------------------------
+
+
+class MoveRequest(Wire):
+    key: Key
+    src: ReplicaWire
+    dst: ReplicaWire
+
+
+class NodeUpdate(Wire):
+    """The node's copies of `key` are now exactly `held` (empty: it holds none)."""
+
+    key: Key
+    held: list[HeldObject] = []
+
+
+class NodeChanges(Wire):
+    """Updates to what a node's segments hold, in master order (`seq` counts per node)."""
+
+    seq: Annotated[int, Field(ge=1)]
+    updates: list[NodeUpdate]
+
+
+# --- KV index events (node -> everyone) ----------------------------------------------------
+
+
+class KvEvents(Wire):
+    node_id: NodeId
+    seq: Annotated[int, Field(ge=1)]
+    # A node process's life: a restarted node starts again at seq 1 under a new epoch.
+    epoch: Annotated[str, Field(max_length=64)] = ""
+    stored: list[Key] = []
+    removed: list[Key] = []
+
+
+class KvSnapshotWire(Wire):
+    node_id: NodeId
+    seq: Annotated[int, Field(ge=0)]
+    epoch: Annotated[str, Field(max_length=64)] = ""
+    keys: list[Key]
+
+
+class Subjects:
+    """Namespaced subjects of the store."""
+
+    def __init__(self, ns: Namespace) -> None:
+        self.ns = ns
+
+    def master(self, op: str) -> str:
+        return self.ns.subject(f"mc.store.{op}")
+
+    def master_all(self) -> str:
+        return self.ns.subject("mc.store.*")
+
+    def node(self, node_id: str, what: Literal["move", "changes"]) -> str:
+        return self.ns.subject(f"mc.store.node.{node_id}.{what}")
+
+    def kv_events(self, node_id: str = "*") -> str:
+        return self.ns.subject(f"mc.kv.events.{node_id}")
+
+    def kv_snapshot(self, node_id: str) -> str:
+        return self.ns.subject(f"mc.kv.snapshot.{node_id}")

@@ -1,0 +1,342 @@
+"""The store over a real NATS: master, nodes and client in this process (nodes' segments are
+real shared memory, transfers go through the real tcp and shm transports)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nats.aio.client import Client as NATS
+
+from mooncake.config import StoreSettings
+from mooncake.core.block_index import BlockIndex
+from mooncake.namespace import Namespace
+from mooncake.store import protocol as p
+from mooncake.store.client import ClientConfig, StoreClient
+from mooncake.store.kv_follow import KvIndexSubscriber
+from mooncake.store.kv_index import KvIndexFollower
+from mooncake.store.master import StoreMaster, new_state
+from mooncake.store.node import NodeConfig, StoreNode
+from mooncake.store.types import Pin, Reason, Tier
+
+from helpers import wait_for
+
+SECRET = b"integration-secret"
+MiB = 1 << 20
+
+
+@dataclass
+class Cluster:
+    nc: NATS
+    ns: Namespace
+    settings: StoreSettings
+    tmp: Path
+    master: StoreMaster | None = None
+    nodes: dict[str, StoreNode] = field(default_factory=dict)
+    clients: list[StoreClient] = field(default_factory=list)
+
+    async def start_master(self) -> StoreMaster:
+        self.master = StoreMaster(self.nc, self.ns, new_state(self.settings, seed=1), tick_s=0.05)
+        await self.master.start()
+        return self.master
+
+    async def stop_master(self) -> None:
+        assert self.master is not None
+        await self.master.stop()
+        self.master = None
+
+    async def add_node(
+        self,
+        node_id: str,
+        *,
+        dram: int = 8 * MiB,
+        ssd: int = 0,
+        transports: tuple[str, ...] = ("tcp",),
+    ) -> StoreNode:
+        cfg = NodeConfig(
+            node_id=node_id,
+            secret=SECRET,
+            dram_bytes=dram,
+            ssd_bytes=ssd,
+            ssd_dir=self.tmp / "ssd",
+            transports=transports,
+            heartbeat_s=0.1,
+            request_timeout_s=2.0,
+        )
+        node = StoreNode(self.nc, self.ns, cfg)
+        await node.start()
+        self.nodes[node_id] = node
+        return node
+
+    async def stop_node(self, node_id: str) -> None:
+        await self.nodes.pop(node_id).stop()
+
+    def client(self, transports: tuple[str, ...] = ("shm", "tcp")) -> StoreClient:
+        c = StoreClient(self.nc, self.ns, ClientConfig(SECRET, transports, request_timeout_s=2.0))
+        self.clients.append(c)
+        return c
+
+
+@pytest_asyncio.fixture
+async def cluster(nats_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[Cluster]:
+    nc = await nats.connect(nats_url)
+    s = StoreSettings(node_timeout_s=1.0, put_timeout_s=1.0, lease_s=0.5)
+    c = Cluster(nc, Namespace(namespace), s, tmp_path)
+    await c.start_master()
+    try:
+        yield c
+    finally:
+        for client in c.clients:
+            await client.close()
+        for node_id in list(c.nodes):
+            await c.stop_node(node_id)
+        if c.master is not None:
+            await c.stop_master()
+        await nc.drain()
+
+
+def blob(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+async def test_put_get_exists_remove_round_trip(cluster: Cluster) -> None:
+    await cluster.add_node("n1")
+    client = cluster.client(("tcp",))
+    data = blob(300_000, 1)
+    assert await client.put("k1", data) is None
+    assert await client.exists("k1")
+    got = await client.get("k1")
+    assert got is not None and bytes(got) == data
+    refused = await client.put("k1", data)
+    assert refused is not None and refused.reason is Reason.EXISTS
+    assert await client.remove("k1", force=True) is None
+    assert not await client.exists("k1")
+    assert await client.get("k1") is None
+
+
+async def test_batches_and_zero_copy_buffers(cluster: Cluster) -> None:
+    await cluster.add_node("n1")
+    await cluster.add_node("n2")
+    client = cluster.client()
+    items = [(f"b{i}", blob(4096 + i, i)) for i in range(50)]
+    assert await client.put_many(items) == [None] * 50
+    assert await client.exists_many([k for k, _ in items] + ["nope"]) == [True] * 50 + [False]
+    got = await client.get_many([k for k, _ in items])
+    assert [bytes(g) if g is not None else None for g in got] == [d for _, d in items]
+
+    # Zero-copy: a numpy array and a torch tensor go in and are filled in place.
+    arr = np.arange(65536, dtype=np.float32)
+    ten = torch.arange(65536, dtype=torch.float16)
+    assert await client.put_many([("np", arr), ("pt", ten)]) == [None, None]
+    out_arr = np.zeros_like(arr)
+    out_ten = torch.zeros_like(ten)
+    sizes = await client.get_many_into(["np", "pt", "missing"], [out_arr, out_ten, bytearray(8)])
+    assert sizes == [arr.nbytes, ten.numel() * 2, None]
+    assert np.array_equal(out_arr, arr) and torch.equal(out_ten, ten)
+    with pytest.raises(ValueError, match="holds"):
+        await client.get_into("np", bytearray(10))
+
+
+async def test_readers_never_see_a_pending_put(cluster: Cluster) -> None:
+    await cluster.add_node("n1")
+    client = cluster.client(("tcp",))
+    started = await client._call(
+        "put_start", p.PutStartRequest(items=[p.PutItem(key="half", size=1000)]), p.PutStartReply
+    )
+    assert isinstance(started.results[0], p.Plan)
+    assert not await client.exists("half")
+    assert await client.get("half") is None
+    # The writer "dies" here: the pending allocation is reclaimed after put_timeout_s.
+    assert cluster.master is not None
+    await wait_for(
+        lambda: _async(cluster.master is not None and cluster.master.state.object("half") is None),
+        5,
+        "the zombie put to be reclaimed",
+    )
+    assert await client.put("half", blob(1000, 3)) is None
+
+
+async def _async(v: bool) -> bool:
+    return v
+
+
+async def test_replica_on_a_stopped_node_falls_back_then_misses(cluster: Cluster) -> None:
+    await cluster.add_node("n1")
+    await cluster.add_node("n2")
+    client = cluster.client(("tcp",))
+    data = blob(200_000, 7)
+    assert await client.put("two", data, replicas=2) is None
+    assert await client.put("one", data, preferred_segment="n2-dram") is None
+    await cluster.stop_node("n2")
+    # Before the master notices, the read to n2 fails and falls back to n1's replica.
+    got = await client.get("two")
+    assert got is not None and bytes(got) == data
+    assert await client.get("one") is None  # its only replica is gone: a clean miss
+    assert cluster.master is not None
+    await wait_for(
+        lambda: _async(cluster.master is not None and cluster.master.state.object("one") is None),
+        5,
+        "the dead node's replicas to be dropped",
+    )
+    got = await client.get("two")
+    assert got is not None and bytes(got) == data
+
+
+async def test_master_restart_finds_objects_again(cluster: Cluster) -> None:
+    await cluster.add_node("n1")
+    client = cluster.client(("tcp",))
+    items = [(f"r{i}", blob(10_000, i)) for i in range(20)]
+    assert await client.put_many(items) == [None] * 20
+    node = cluster.nodes["n1"]
+    await wait_for(lambda: _async(len(node.held) == 20), 5, "the node to learn its objects")
+    await cluster.stop_master()
+    await cluster.start_master()  # empty: learns everything from the node's re-mount
+    await wait_for(lambda: client.exists("r0"), 5, "the node to re-mount")
+    got = await client.get_many([k for k, _ in items])
+    assert [bytes(g) if g is not None else None for g in got] == [d for _, d in items]
+
+
+async def test_ssd_tier_offload_and_promotion(cluster: Cluster) -> None:
+    await cluster.add_node("n1", dram=1 * MiB, ssd=8 * MiB)
+    client = cluster.client(("tcp",))
+    blocks = [(f"s{i}", blob(64 * 1024, i)) for i in range(40)]  # 2.5 MiB > 1 MiB of DRAM
+    for key, data in blocks:
+        res = await client.put(key, data)
+        assert res is None, res
+    master = cluster.master
+    assert master is not None
+
+    def tiers(key: str) -> set[Tier]:
+        obj = master.state.object(key)
+        return set() if obj is None else {r.tier for r in obj.replicas}
+
+    await wait_for(lambda: _async(Tier.SSD in tiers("s0")), 5, "s0 to be offloaded to SSD")
+    got = await client.get("s0")  # served from SSD ...
+    assert got is not None and bytes(got) == blocks[0][1]
+    await wait_for(lambda: _async(Tier.DRAM in tiers("s0")), 5, "s0 to be promoted on hit")
+    got = await client.get("s0")
+    assert got is not None and bytes(got) == blocks[0][1]
+    usage = master.state.usage()
+    assert usage["dram"]["used"] <= 0.9 * usage["dram"]["capacity"] + 64 * 1024
+
+
+async def test_kv_index_follows_nodes_and_resyncs_after_a_gap(cluster: Cluster) -> None:
+    node = await cluster.add_node("n1")
+    index = BlockIndex()
+    sub = KvIndexSubscriber(cluster.nc, cluster.ns, KvIndexFollower(index))
+    await sub.start()
+    try:
+        client = cluster.client(("tcp",))
+        assert await client.put_many([(f"h{i}", b"x" * 100) for i in range(5)]) == [None] * 5
+        await wait_for(lambda: _async(len(index) == 5), 5, "the index to hold 5 keys")
+        assert index.holders("h0") == frozenset({"n1"})
+        # Lose a batch: the node's next one arrives with a gap and the follower resyncs.
+        node.kv_log.record(["ghost"], [])
+        assert await client.remove("h0", force=True) is None
+        await wait_for(lambda: _async(sub.snapshots >= 1), 5, "a snapshot resync")
+        await wait_for(lambda: _async("h0" not in _keys(index)), 5, "h0 to leave the index")
+        assert index.holders("ghost") == frozenset({"n1"})  # what the node's log says it holds
+    finally:
+        await sub.stop()
+
+
+def _keys(index: BlockIndex) -> set[str]:
+    return {k for k in ("h0", "h1", "h2", "h3", "h4") if index.holders(k)}
+
+
+async def test_bad_control_requests_get_errors_and_the_master_keeps_serving(
+    cluster: Cluster,
+) -> None:
+    await cluster.add_node("n1")
+    nc, subj = cluster.nc, p.Subjects(cluster.ns)
+    for op, payload in [
+        ("put_start", b"not json"),
+        ("put_start", json.dumps({"items": []}).encode()),
+        ("put_start", json.dumps({"items": [{"key": "k", "size": -1}]}).encode()),
+        ("lookup", json.dumps({"keys": ["x" * 1000]}).encode()),
+        ("mount", json.dumps({"node_id": "../etc", "segments": []}).encode()),
+        ("remove", b"\xff\xfe"),
+    ]:
+        resp = await nc.request(subj.master(op), payload, timeout=2)
+        assert "error" in json.loads(resp.data), (op, resp.data)
+    client = cluster.client(("tcp",))
+    assert await client.put("still", b"fine") is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    op=st.sampled_from(p.MASTER_OPS),
+    payload=st.one_of(
+        st.binary(max_size=300),
+        st.dictionaries(
+            st.sampled_from(["keys", "items", "node_id", "segments", "force", "objects", "x"]),
+            st.recursive(
+                st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                lambda c: (
+                    st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4)
+                ),
+                max_leaves=10,
+            ),
+            max_size=4,
+        ).map(lambda d: json.dumps(d).encode()),
+    ),
+)
+def test_fuzzed_control_requests_never_crash_the_master(
+    fuzz_master: tuple[asyncio.AbstractEventLoop, NATS, p.Subjects], op: str, payload: bytes
+) -> None:
+    loop, nc, subj = fuzz_master
+
+    async def one() -> None:
+        resp = await nc.request(subj.master(op), payload, timeout=2)
+        assert isinstance(json.loads(resp.data), dict)
+        alive = await nc.request(subj.master("exists"), b'{"keys": ["k"]}', timeout=2)
+        assert json.loads(alive.data) == {"results": [False]} or "results" in json.loads(alive.data)
+
+    loop.run_until_complete(one())
+
+
+@pytest.fixture(scope="module")
+def fuzz_master(
+    nats_url: str,
+) -> tuple[asyncio.AbstractEventLoop, NATS, p.Subjects]:  # type: ignore[misc]
+    loop = asyncio.new_event_loop()
+    ns = Namespace("fz" + os.urandom(5).hex())
+
+    async def setup() -> tuple[NATS, StoreMaster]:
+        nc = await nats.connect(nats_url)
+        master = StoreMaster(nc, ns, new_state(StoreSettings(), seed=2))
+        await master.start()
+        return nc, master
+
+    nc, master = loop.run_until_complete(setup())
+    yield loop, nc, p.Subjects(ns)
+
+    async def teardown() -> None:
+        await master.stop()
+        await nc.drain()
+
+    loop.run_until_complete(teardown())
+    loop.close()
+
+
+async def test_pins_survive_a_full_pool(cluster: Cluster) -> None:
+    await cluster.add_node("n1", dram=1 * MiB)
+    client = cluster.client(("tcp",))
+    assert await client.put("pinned", blob(100_000, 1), pin=Pin.HARD) is None
+    for i in range(30):
+        await client.put(f"f{i}", blob(100_000, i + 10))
+    assert await client.exists("pinned")
+    assert cluster.master is not None
+    usage = cluster.master.state.usage()["dram"]
+    assert usage["used"] <= usage["capacity"]
