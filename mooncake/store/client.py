@@ -79,7 +79,7 @@ class StoreClient:
         if t is None:
             opts: dict[str, Any] = {"secret": self.config.secret}
             if name == "rdma":
-                opts |= {"nc": self.nc, "subject_prefix": self.subjects.ns.subject("mc.store")}
+                opts |= {"nc": self.nc, "subject_prefix": self.subjects.ns.prefix}
             t = self._transports[name] = make_client(name, **opts)
         return t
 

@@ -26,7 +26,7 @@ from mooncake import metrics
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
 from mooncake.store.kv_index import KvEventLog
-from mooncake.store.segment import Segment
+from mooncake.store.segment import Segment, sweep_stale
 from mooncake.store.transfer.base import (
     SegmentTable,
     TransferError,
@@ -83,14 +83,17 @@ class StoreNode:
 
     async def start(self) -> None:
         cfg = self.config
+        ssd_dir = cfg.ssd_dir or Path(".mooncake/ssd")
+        for directory in (Path("/dev/shm"), ssd_dir):
+            for path in sweep_stale(directory):
+                log.info("removed %s: left behind by a node that was killed", path)
         self.segments.append(
             Segment.create_dram(f"{cfg.node_id}-dram", cfg.node_id, cfg.dram_bytes)
         )
         if cfg.ssd_bytes > 0:
-            directory = cfg.ssd_dir or Path(".mooncake/ssd")
-            directory.mkdir(parents=True, exist_ok=True)
+            ssd_dir.mkdir(parents=True, exist_ok=True)
             self.segments.append(
-                Segment.create_ssd(f"{cfg.node_id}-ssd", cfg.node_id, cfg.ssd_bytes, directory)
+                Segment.create_ssd(f"{cfg.node_id}-ssd", cfg.node_id, cfg.ssd_bytes, ssd_dir)
             )
         for seg in self.segments:
             self.table.add(seg)
@@ -119,7 +122,11 @@ class StoreNode:
         if name == "tcp":
             opts |= {"host": self.config.tcp_host, "port": self.config.tcp_port}
         elif name == "rdma":
-            opts |= {"nc": self.nc, "subject_prefix": self.subjects.ns.subject("mc.store")}
+            opts |= {
+                "nc": self.nc,
+                "subject_prefix": self.subjects.ns.prefix,
+                "node_id": self.config.node_id,
+            }
         return opts
 
     async def stop(self) -> None:

@@ -63,15 +63,49 @@ def _safe(segment_id: str) -> str:
 
 
 def file_name(segment_id: str) -> str:
-    """A backing file name: the sanitised segment id plus a random 128-bit hex token."""
+    """A backing file name: the sanitised segment id, the owner's pid (so files of a process
+    that was killed can be found and swept, see `sweep_stale`) and a random 128-bit token."""
     if not segment_id:
         raise ValueError("segment id must not be empty")
-    return f"mc-{_safe(segment_id)}-{secrets.token_hex(16)}"
+    return f"mc-{_safe(segment_id)}-p{os.getpid()}-{secrets.token_hex(16)}"
 
 
 def file_holds(name: str, segment_id: str) -> bool:
     """Whether a backing file called `name` can be segment `segment_id`'s."""
-    return re.fullmatch(rf"mc-{re.escape(_safe(segment_id))}-[0-9a-f]{{32}}", name) is not None
+    pattern = rf"mc-{re.escape(_safe(segment_id))}-p[0-9]+-[0-9a-f]{{32}}"
+    return re.fullmatch(pattern, name) is not None
+
+
+_OWNER = re.compile(r"mc-.+-p([0-9]+)-[0-9a-f]{32}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale(directory: Path = Path("/dev/shm")) -> list[Path]:
+    """Unlink segment files of ours whose owning process is gone (killed with -9: no exit
+    handler ran). Only files of this user whose recorded pid no longer exists are touched."""
+    swept: list[Path] = []
+    uid = os.getuid()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            m = _OWNER.fullmatch(entry.name)
+            if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid == uid and entry.is_file(
+                    follow_symlinks=False
+                ):
+                    os.unlink(entry.path)
+                    swept.append(Path(entry.path))
+    return swept
 
 
 class Segment:

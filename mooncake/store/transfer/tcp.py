@@ -332,17 +332,20 @@ class TcpTransport(Transport):
             raise TransferError("connection", "transport closed")
         if not jobs:
             return
+        # Small batches stay on the event loop (a thread hop costs more than their bytes);
+        # a big batch runs its jobs in threads, so several connections move bytes at once.
+        inline = sum(r.length for job in jobs for r in job.regions) <= self._inline
         if len(jobs) == 1:
-            await self._run_job(endpoint, op, jobs[0])
+            await self._run_job(endpoint, op, jobs[0], inline)
             return
         results = await asyncio.gather(
-            *(self._run_job(endpoint, op, job) for job in jobs), return_exceptions=True
+            *(self._run_job(endpoint, op, job, inline) for job in jobs), return_exceptions=True
         )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _run_job(self, endpoint: str, op: frames.Op, job: _Job) -> None:
+    async def _run_job(self, endpoint: str, op: frames.Op, job: _Job, inline: bool) -> None:
         pool = self._pools.get(endpoint)
         if pool is None:
             if not self.reaches(endpoint):
@@ -354,7 +357,7 @@ class TcpTransport(Transport):
             if conn is None:
                 conn = await loop.run_in_executor(self._executor, self._connect, endpoint)
             try:
-                if sum(r.length for r in job.regions) <= self._inline:
+                if inline:
                     await self._exchange_on_loop(loop, conn, op, next(self._ids), job)
                 else:
                     await loop.run_in_executor(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mmap
 import stat
 from pathlib import Path
@@ -9,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.store import segment as segment_module
-from mooncake.store.segment import Segment, file_holds
+from mooncake.store.segment import Segment, file_holds, sweep_stale
 from mooncake.store.types import Tier
 
 
@@ -22,7 +26,8 @@ def test_dram_segment_file_and_view(tmp_path: Path) -> None:
         assert len(seg.buf) == seg.info.size and not seg.buf.readonly and seg.buf.format == "B"
         assert seg.path.parent == tmp_path
         name = seg.path.name
-        assert name.startswith("mc-node_1_dram_0-") and len(name.rsplit("-", 1)[1]) == 32
+        assert name.startswith(f"mc-node_1_dram_0-p{os.getpid()}-")
+        assert len(name.rsplit("-", 1)[1]) == 32
         assert file_holds(name, "node/1 dram:0") and not file_holds(name, "node1")
         assert stat.S_IMODE(seg.path.stat().st_mode) == 0o600
         seg.buf[-5:] = b"hello"
@@ -100,3 +105,22 @@ def test_exit_cleanup_unlinks_unclosed(tmp_path: Path) -> None:
     segment_module._unlink_leftovers()
     assert not seg.path.exists()
     seg.close()
+
+
+def test_sweep_removes_only_files_of_dead_processes(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(dead.stdout)
+    token = "0" * 32
+    stale = tmp_path / f"mc-n1-dram-p{dead_pid}-{token}"
+    mine = tmp_path / f"mc-n1-dram-p{os.getpid()}-{token}"
+    live = tmp_path / f"mc-n2-dram-p1-{token}"
+    other = tmp_path / "not-ours"
+    for f in (stale, mine, live, other):
+        f.write_bytes(b"x")
+    assert sweep_stale(tmp_path) == [stale]
+    assert not stale.exists() and mine.exists() and live.exists() and other.exists()
