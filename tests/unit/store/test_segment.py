@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 import subprocess
 import sys
-
-import mmap
-import stat
 from pathlib import Path
 
 import pytest
