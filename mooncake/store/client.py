@@ -252,8 +252,8 @@ class StoreClient:
             ended = await self._call(
                 "put_end", p.KeysRequest(keys=[items[i][0] for i in done]), p.ResultsReply
             )
-            for i, res in zip(done, ended.results, strict=True):
-                results[i] = res
+            for i, outcome in zip(done, ended.results, strict=True):
+                results[i] = outcome
         return retry
 
     # --- get --------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from nats.aio.subscription import Subscription
 from pydantic import BaseModel, ValidationError
 
 from mooncake import events as ev
+from mooncake import metrics
 from mooncake.bus.publish import Publisher
 from mooncake.config import StoreSettings
 from mooncake.store import master_state as ms
@@ -291,6 +292,7 @@ class StoreMaster:
                     for node in {r.node_id for r in reps}:
                         per_node[node].append(self._node_view(key, node))
                 case ms.ObjectRemoved(key=key, reason=reason, nodes=nodes):
+                    metrics.STORE_EVICTIONS.labels(reason).inc()
                     self._journal.append(ev.KvObjectRemoved(key=key, reason=reason))
                     for node in nodes:
                         per_node[node].append(p.NodeUpdate(key=key, held=[]))
@@ -336,8 +338,15 @@ class StoreMaster:
             try:
                 self.state.tick(self.clock())
                 self._dispatch_changes()
+                self._export_usage()
             except Exception:
                 log.exception("store master tick failed")
+
+    def _export_usage(self) -> None:
+        for tier, u in self.state.usage().items():
+            metrics.STORE_USED_BYTES.labels(tier).set(u["used"])
+            metrics.STORE_CAPACITY_BYTES.labels(tier).set(u["capacity"])
+        metrics.STORE_OBJECTS.set(len(self.state))
 
     async def _flush_journal(self) -> None:
         if self.publisher is None or not self._journal:

@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -102,7 +104,7 @@ class StoreNode:
             if not ok:
                 log.info("transport %s not used: %s", name, why)
                 continue
-            server = make_server(name, **self._server_options(name))
+            server = make_server(name, secret=cfg.secret, **self._server_options(name))
             await server.start(self.table)
             self.servers.append(server)
         if not self.servers:
@@ -117,8 +119,8 @@ class StoreNode:
         await self._mount()
         self._spawn(self._heartbeat_loop())
 
-    def _server_options(self, name: str) -> dict[str, object]:
-        opts: dict[str, object] = {"secret": self.config.secret}
+    def _server_options(self, name: str) -> dict[str, Any]:
+        opts: dict[str, Any] = {}
         if name == "tcp":
             opts |= {"host": self.config.tcp_host, "port": self.config.tcp_port}
         elif name == "rdma":
@@ -140,10 +142,11 @@ class StoreNode:
             with contextlib.suppress(Exception):
                 await server.stop()
         for seg in self.segments:
+            self.table.remove(seg.info.segment_id)
             seg.close()
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
