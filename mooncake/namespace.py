@@ -17,12 +17,17 @@ class StreamSpec:
     name: str
     subjects: tuple[str, ...]
     work_queue: bool = False
+    max_age_s: float | None = None  # None: kept until limits (or, work queues, until acked)
 
 
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("MC_REQ", ("mc.req.>",)),
     StreamSpec("MC_META", ("mc.meta.>",)),
     StreamSpec("MC_DLQ", ("mc.dlq.>",)),
+    # Work for one prefill / decode instance: a message leaves when its work is acked.
+    StreamSpec("MC_WORK", ("mc.prefill.>", "mc.decode.>"), work_queue=True),
+    # A batched copy of every request's streamed tokens, so a client can resume from an offset.
+    StreamSpec("MC_TOKENS", ("mc.tokens.>",), max_age_s=3600.0),
 )
 DEFAULT_NAMESPACE = "mc"
 
@@ -54,7 +59,10 @@ class Namespace:
     def streams(self) -> tuple[StreamSpec, ...]:
         return tuple(
             StreamSpec(
-                self.stream(s.name), tuple(self.subject(x) for x in s.subjects), s.work_queue
+                self.stream(s.name),
+                tuple(self.subject(x) for x in s.subjects),
+                s.work_queue,
+                s.max_age_s,
             )
             for s in STREAMS
         )

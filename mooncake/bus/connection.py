@@ -50,6 +50,7 @@ def stream_config(spec: StreamSpec, settings: Settings) -> StreamConfig:
         num_replicas=settings.bus.replicas,
         duplicate_window=settings.bus.dedupe_window_s,
         discard=DiscardPolicy.OLD,
+        max_age=spec.max_age_s,
     )
 
 

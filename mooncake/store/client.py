@@ -316,6 +316,57 @@ class StoreClient:
         metrics.STORE_OPS.labels("get", "miss").inc(len(keys) - hits)
         return sizes
 
+    # --- streaming --------------------------------------------------------------------------
+
+    async def start_put(
+        self,
+        items: Sequence[tuple[str, int]],
+        *,
+        replicas: int = 1,
+        pin: Pin = Pin.NONE,
+        preferred_segment: str | None = None,
+    ) -> PutHandle:
+        """Allocate (key, size) objects to be written piece by piece (see `PutHandle`).
+        Keys the master refused (already stored, no space) are in `handle.refused`."""
+        routes: dict[str, list[list[tuple[str, str, Region]]]] = {}
+        refused: dict[str, p.Refused] = {}
+        if not items:
+            return PutHandle(self, routes, refused)
+        req = p.PutStartRequest(
+            items=[
+                p.PutItem(
+                    key=k, size=n, replicas=replicas, pin=pin, preferred_segment=preferred_segment
+                )
+                for k, n in items
+            ]
+        )
+        started = await self._call("put_start", req, p.PutStartReply)
+        for (key, _), res in zip(items, started.results, strict=True):
+            if isinstance(res, p.Refused):
+                refused[key] = res
+                continue
+            routes[key] = [
+                [
+                    (n, ep, Region(r.segment_id, r.offset, r.size))
+                    for n, ep in self._route(started.segments.get(r.segment_id, {}))
+                ]
+                for r in res.replicas
+            ]
+        return PutHandle(self, routes, refused)
+
+    async def start_get(self, keys: Sequence[str]) -> GetHandle:
+        """Look objects up (leasing them) to read piece by piece (see `GetHandle`)."""
+        found: dict[str, tuple[int, list[tuple[str, str, Region]]]] = {}
+        if keys:
+            reply = await self._call("lookup", p.KeysRequest(keys=list(keys)), p.LookupReply)
+            for key, res in zip(keys, reply.results, strict=True):
+                if isinstance(res, p.Found) and res.replicas:
+                    found[key] = (
+                        res.replicas[0].size,
+                        self._candidates(res.replicas, reply.segments),
+                    )
+        return GetHandle(self, found)
+
     # --- exists / remove --------------------------------------------------------------------
 
     async def exists(self, key: str) -> bool:
@@ -337,3 +388,111 @@ class StoreClient:
             return []
         req = p.KeysRequest(keys=list(keys), force=force)
         return (await self._call("remove", req, p.ResultsReply)).results
+
+
+# --- streaming handles: a put written piece by piece, a get read piece by piece ---------------
+
+
+class PutHandle:
+    """A batch of puts whose bytes arrive in pieces (a prefill writes each new KV block layer
+    by layer while it computes): `start_put` allocates, `write` sends ranges, `commit` makes
+    every fully-written object visible at once, `abort` revokes. Readers never see a partial
+    object: until `commit`, the objects are pending."""
+
+    def __init__(
+        self,
+        client: StoreClient,
+        routes: dict[str, list[list[tuple[str, str, Region]]]],
+        refused: dict[str, p.Refused],
+    ) -> None:
+        self._client = client
+        self._routes = routes  # key -> per replica: candidates (transport, endpoint, region)
+        self.refused = refused
+        self._failed: set[str] = set()
+        self._written: dict[str, int] = dict.fromkeys(routes, 0)
+        self._done = False
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._routes)
+
+    async def write(self, parts: Sequence[tuple[str, int, Any]]) -> None:
+        """Write (key, offset inside the object, buffer) pieces, all replicas, in parallel.
+        A piece that cannot be written marks its object failed (commit leaves it out)."""
+        ops: list[_Op] = []
+        for key, offset, data in parts:
+            if key not in self._routes:
+                raise KeyError(f"{key!r} is not part of this put")
+            view = as_memoryview(data, writable=False)
+            for cands in self._routes[key]:
+                size = cands[0][2].length if cands else 0
+                if offset < 0 or offset + len(view) > size:
+                    raise ValueError(f"piece {offset}+{len(view)} outside {key!r} ({size} bytes)")
+                sub = [
+                    (n, ep, Region(r.segment_id, r.offset + offset, len(view)))
+                    for n, ep, r in cands
+                ]
+                ops.append(_Op(len(ops), key, view, sub))
+            self._written[key] += len(view)
+        ok = await self._client._run(ops, "write") if ops else []
+        self._failed.update(op.key for op, good in zip(ops, ok, strict=True) if not good)
+
+    async def commit(self) -> dict[str, p.Refused | None]:
+        """Publish every object whose bytes were all written without error; revoke the
+        others (a piece failed, or fewer bytes were written than the object holds)."""
+        self._done = True
+        out: dict[str, p.Refused | None] = dict(self.refused)
+        bad: dict[str, str] = {}
+        for key, cands in self._routes.items():
+            size = cands[0][0][2].length if cands and cands[0] else 0
+            if key in self._failed:
+                bad[key] = "a piece could not be written"
+            elif self._written[key] < size:
+                bad[key] = f"{self._written[key]} of {size} bytes written"
+        good = [k for k in self._routes if k not in bad]
+        if bad:
+            await self._client._call("put_revoke", p.KeysRequest(keys=list(bad)), p.ResultsReply)
+            for k, why in bad.items():
+                out[k] = p.Refused(reason=Reason.INVALID, detail=why)
+        if good:
+            ended = await self._client._call("put_end", p.KeysRequest(keys=good), p.ResultsReply)
+            out.update(zip(good, ended.results, strict=True))
+        return out
+
+    async def abort(self) -> None:
+        if self._done or not self._routes:
+            return
+        self._done = True
+        with contextlib.suppress(Exception):
+            await self._client._call(
+                "put_revoke", p.KeysRequest(keys=list(self._routes)), p.ResultsReply
+            )
+
+
+class GetHandle:
+    """Objects found by one lookup (leased for `lease_s`), read piece by piece: a prefill
+    loads each cached block layer by layer, just ahead of the layer that needs it."""
+
+    def __init__(
+        self, client: StoreClient, found: dict[str, tuple[int, list[tuple[str, str, Region]]]]
+    ) -> None:
+        self._client = client
+        self._found = found  # key -> (size, candidates best first)
+
+    def size(self, key: str) -> int | None:
+        hit = self._found.get(key)
+        return None if hit is None else hit[0]
+
+    async def read(self, parts: Sequence[tuple[str, int, Any]]) -> list[bool]:
+        """Read (key, offset, buffer) pieces; False for a piece no replica could serve."""
+        ops: list[_Op] = []
+        for key, offset, out in parts:
+            view = as_memoryview(out, writable=True)
+            size, cands = self._found.get(key, (0, []))
+            if offset < 0 or offset + len(view) > size:
+                raise ValueError(f"piece {offset}+{len(view)} outside {key!r} ({size} bytes)")
+            sub = [
+                (n, ep, Region(r.segment_id, r.offset + offset, len(view))) for n, ep, r in cands
+            ]
+            ops.append(_Op(len(ops), key, view, sub))
+        return await self._client._run(ops, "read") if ops else []

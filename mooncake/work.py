@@ -1,0 +1,134 @@
+"""Messages between the pipeline's stages that are not lifecycle facts.
+
+- `PrefillWork` on `mc.prefill.<instance>` and `DecodeWork` on `mc.decode.<instance>`
+  (JetStream work queues, stream MC_WORK): the work one instance must do. A message stays
+  until the instance acks it (when its effect is durable); an instance that dies leaves it
+  pending, and the Conductor re-dispatches it to a live instance with `attempt + 1`.
+- `LoadReport` on `mc.load.<instance>` (core NATS, periodic): what an instance is doing now;
+  the Conductor's ClusterView folds them, and their absence marks an instance dead.
+- `TokenChunk` on the request's `reply_to` subject (core NATS) and, batched, on
+  `mc.tokens.<digest of request id>` (stream MC_TOKENS) so a client can resume from an offset.
+
+Lifecycle facts (`mooncake.events`) stay the record; these are the pipeline's plumbing.
+Every message is validated once where it arrives (`extra="forbid"`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mooncake.events import Identifier, SamplingParams, SubjectToken
+from mooncake.namespace import Namespace
+
+TokenId = Annotated[int, Field(ge=0)]
+Key = Annotated[str, Field(min_length=1, max_length=256)]
+ReplySubject = Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z0-9_.>*-]+$")]
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+class Timing(Wire):
+    """Wall-clock stamps (unix seconds) a request carries through the stages."""
+
+    submitted_at: float
+    deadline_at: float | None = None  # past it, the request is cancelled wherever it is
+
+
+class PrefillWork(Wire):
+    request_id: Identifier
+    attempt: Annotated[int, Field(ge=1)] = 1
+    token_ids: Annotated[list[TokenId], Field(min_length=1)]
+    params: SamplingParams = SamplingParams()
+    reply_to: ReplySubject | None = None
+    prefill_instance: SubjectToken
+    decode_instance: SubjectToken
+    timing: Timing
+    # The Conductor's plan: whole blocks of the prompt to load from the store rather than
+    # compute (local: already on this instance's node; the rest: fetched and kept as a copy).
+    cached_blocks: Annotated[int, Field(ge=0)] = 0
+    local_blocks: Annotated[int, Field(ge=0)] = 0
+    # Event id of the admission, so the events a stage emits get ids derived from it.
+    admitted_event_id: Identifier
+
+
+class DecodeWork(Wire):
+    request_id: Identifier
+    attempt: Annotated[int, Field(ge=1)] = 1
+    token_ids: Annotated[list[TokenId], Field(min_length=1)]  # the prompt
+    first_token_id: TokenId  # sampled by prefill: the request's first output token
+    # The prompt's KV in the store: whole blocks under their chained keys, then the partial
+    # last block (fewer than block_tokens tokens) under a request-scoped key.
+    kv_keys: list[Key] = []
+    tail_key: Key | None = None
+    tail_tokens: Annotated[int, Field(ge=0)] = 0
+    params: SamplingParams = SamplingParams()
+    reply_to: ReplySubject | None = None
+    prefill_instance: SubjectToken
+    decode_instance: SubjectToken
+    timing: Timing
+    first_token_at: float  # unix seconds: TTFT = first_token_at - submitted_at
+    admitted_event_id: Identifier
+
+
+class LoadReport(Wire):
+    instance: SubjectToken
+    role: Literal["prefill", "decode"]
+    node: SubjectToken  # the store node whose DRAM is this instance's local cache
+    seq: Annotated[int, Field(ge=1)]
+    at: float  # unix seconds
+    queued: Annotated[int, Field(ge=0)] = 0  # requests waiting
+    queued_tokens: Annotated[int, Field(ge=0)] = 0  # prompt tokens still to compute (prefill)
+    running: Annotated[int, Field(ge=0)] = 0  # requests being computed (decode: batch size)
+    context_tokens: Annotated[int, Field(ge=0)] = 0  # decode: KV tokens in the batch
+    kv_capacity_tokens: Annotated[int, Field(ge=0)] | None = None
+
+
+class TokenChunk(Wire):
+    """Output tokens `index .. index + len(token_ids) - 1` of a request, and the text they
+    add. The last chunk has `done` and the finish reason (or `error`)."""
+
+    request_id: Identifier
+    index: Annotated[int, Field(ge=0)]
+    token_ids: list[TokenId] = []
+    text: str = ""
+    done: bool = False
+    finish_reason: Literal["stop", "length", "cancelled", "failed"] | None = None
+    error: Annotated[str, Field(max_length=2000)] | None = None
+
+
+def token_stream_token(request_id: str) -> str:
+    """A subject token for a request id (ids may hold '.', which subjects cannot)."""
+    return hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+
+
+class WorkSubjects:
+    def __init__(self, ns: Namespace) -> None:
+        self.ns = ns
+
+    def prefill(self, instance: str) -> str:
+        return self.ns.subject(f"mc.prefill.{instance}")
+
+    def decode(self, instance: str) -> str:
+        return self.ns.subject(f"mc.decode.{instance}")
+
+    def load(self, instance: str = "*") -> str:
+        return self.ns.subject(f"mc.load.{instance}")
+
+    def tokens(self, request_id: str) -> str:
+        return self.ns.subject(f"mc.tokens.{token_stream_token(request_id)}")
+
+    def cancel(self) -> str:
+        return self.ns.subject("mc.req.cancel")
+
+
+def tail_key(request_id: str, attempt: int) -> str:
+    """Store key of a request's partial last KV block (never shared between requests)."""
+    return f"tail:{token_stream_token(request_id)}:{attempt}"
