@@ -10,11 +10,39 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 
-from mooncake.config import Settings
+from mooncake.config import Settings, StoreSettings
 from mooncake.namespace import Namespace
 from mooncake.store.client import ClientConfig, StoreClient
-from mooncake.store.node import StoreNode
-from workers.store_node import cluster_secret, node_config
+from mooncake.store.node import NodeConfig, StoreNode
+
+
+class MissingSecret(ValueError):
+    pass
+
+
+def cluster_secret(store: StoreSettings) -> bytes:
+    if store.secret is None or not store.secret.get_secret_value():
+        raise MissingSecret(
+            "the store needs a cluster secret: set MOONCAKE_STORE__SECRET "
+            "(`mooncake up` generates one into .mooncake/runtime.env)"
+        )
+    return store.secret.get_secret_value().encode()
+
+
+def node_config(settings: Settings, node_id: str) -> NodeConfig:
+    s = settings.store
+    return NodeConfig(
+        node_id=node_id,
+        secret=cluster_secret(s),
+        dram_bytes=s.dram_bytes,
+        ssd_bytes=s.ssd_bytes,
+        ssd_dir=s.ssd_dir or settings.data_dir / "ssd",
+        transports=s.transports,
+        tcp_host=s.tcp_host,
+        tcp_port=s.tcp_port,
+        heartbeat_s=s.heartbeat_s,
+        request_timeout_s=s.request_timeout_s,
+    )
 
 
 @dataclass
