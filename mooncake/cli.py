@@ -32,7 +32,7 @@ app.add_typer(profile_app, name="profile")
 app.add_typer(simulate_app, name="simulate")
 app.command("replay")(replay)
 
-WORKERS = ("recorder", "conductor", "store-master", "store-node")
+WORKERS = ("recorder", "store-master", "conductor", "prefill", "decode", "store-node")
 
 
 class Until(StrEnum):
@@ -72,7 +72,7 @@ def up(
         with console.status("starting infrastructure"):
             stack.start_infrastructure()
         if workers:
-            stack.start_workers(WORKERS)
+            stack.start_workers()
         console.print(_status_table(stack))
         console.print(
             f'logs in {settings.data_dir / "logs"}; `mooncake submit "hello"` in another '
@@ -104,10 +104,12 @@ def _wait_for_signal(stack: object) -> None:
 
 @app.command()
 def demo(
-    requests: Annotated[int, typer.Option(help="Requests in the burst")] = 500,
+    requests: Annotated[
+        int, typer.Option(min=1, max=200, help="Trace requests to replay (conversation trace)")
+    ] = 20,
 ) -> None:
-    """Run the whole system on the embedded default, push requests through it, show the
-    record, and shut down."""
+    """Run the whole system on the embedded default: three prompts answered by SmolLM2, a
+    slice of the conversation trace replayed, the record shown; then shut down."""
     from mooncake.demo import run_demo
 
     settings = settings_or_exit()
@@ -216,6 +218,12 @@ async def _submit(
 
 
 def _print_reply(body: dict[str, object]) -> None:
+    if "index" in body:  # a TokenChunk: the answer, streamed
+        console.print(str(body.get("text", "")), end="", markup=False, highlight=False)
+        if body.get("done"):
+            error = f" ({body['error']})" if body.get("error") else ""
+            console.print(f"\n[dim]-- {body.get('finish_reason')}{error}[/dim]")
+        return
     kind = str(body.get("type", "?")).removeprefix("request.")
     rid = body.get("request_id")
     if kind == "rejected":
@@ -224,7 +232,7 @@ def _print_reply(body: dict[str, object]) -> None:
         extras = {
             k: v
             for k, v in body.items()
-            if k in ("policy", "prefill_instance", "decode_instance", "text")
+            if k in ("policy", "prefill_instance", "decode_instance", "cached_prefix_tokens")
         }
         console.print(f"[green]{rid} {kind}[/green] {extras}")
 

@@ -1,11 +1,21 @@
-"""A small client: submit a request and follow what comes back on its reply subject."""
+"""A small client: submit a request and follow what comes back on its reply subject.
+
+What arrives on the reply subject: the Conductor's decision (`request.admitted` or
+`request.rejected`, JSON events with a `type`), then the streamed tokens as `TokenChunk`s
+(`index`, `token_ids`, `text`; the last one has `done` and the finish reason). Token index 0
+comes from the prefill instance (the request's first token), the rest from decode. A decode
+that was redelivered to another instance streams again from index 1: chunks are
+deduplicated by index.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -22,6 +32,11 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"
 
 
+def is_final(body: dict[str, Any], until: frozenset[str]) -> bool:
+    """The reply that ends a request as far as its client is concerned."""
+    return bool(body.get("done")) or body.get("type") in until
+
+
 async def submit(
     nc: NATS,
     prompt: str | None = None,
@@ -31,10 +46,11 @@ async def submit(
     params: ev.SamplingParams | None = None,
     request_id: str | None = None,
     timeout_s: float = 30.0,
+    deadline_s: float | None = None,
     until: frozenset[str] = TERMINAL_TYPES,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Publish one request and yield each message that comes back, until one whose type is
-    in `until` (or the timeout)."""
+    """Publish one request and yield each message that comes back (decision events and
+    token chunks), until the last chunk, a terminal decision in `until`, or the timeout."""
     request_id = request_id or new_request_id()
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -45,6 +61,7 @@ async def submit(
             token_ids=token_ids,
             params=params or ev.SamplingParams(),
             reply_to=inbox,
+            deadline_s=deadline_s,
         )
         await Publisher(nc, nc.jetstream(), ns or ev.Namespace()).publish(event)
         loop = asyncio.get_running_loop()
@@ -54,9 +71,113 @@ async def submit(
                 msg = await sub.next_msg(timeout=remaining)
             except TimeoutError:
                 break
-            body = json.loads(msg.data)
+            try:
+                body = json.loads(msg.data)
+            except ValueError:
+                continue
+            if not isinstance(body, dict):
+                continue
             yield body
-            if body.get("type") in until:
+            if is_final(body, until):
                 return
     finally:
         await sub.unsubscribe()
+
+
+@dataclass
+class Outcome:
+    """What a client saw of one request."""
+
+    request_id: str
+    decision: dict[str, Any] | None = None
+    tokens: dict[int, int] = field(default_factory=dict)  # index -> token id
+    text_parts: dict[int, str] = field(default_factory=dict)
+    finish_reason: str | None = None
+    error: str | None = None
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def admitted(self) -> bool:
+        return self.decision is not None and self.decision.get("type") == "request.admitted"
+
+    @property
+    def rejected_reason(self) -> str | None:
+        d = self.decision
+        return str(d.get("reason")) if d and d.get("type") == "request.rejected" else None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [self.tokens[i] for i in sorted(self.tokens)]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts[i] for i in sorted(self.text_parts))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason in ("stop", "length")
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def tbt_s(self) -> float | None:
+        """Mean of the slowest 10 % of inter-token gaps, as FAST'25 scores TBT."""
+        gaps = sorted(
+            (b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)),
+            reverse=True,
+        )
+        if not gaps:
+            return None
+        worst = gaps[: max(1, len(gaps) // 10)]
+        return sum(worst) / len(worst)
+
+    def take(self, body: dict[str, Any]) -> None:
+        if "type" in body:
+            if body["type"] in ("request.admitted", "request.rejected"):
+                self.decision = body
+            return
+        now = time.monotonic()
+        start = int(body.get("index", 0))
+        for k, tok in enumerate(body.get("token_ids", [])):
+            if start + k not in self.tokens:
+                self.tokens[start + k] = int(tok)
+                self.token_times.append(now)
+                if self.first_token_at is None:
+                    self.first_token_at = now
+        if body.get("text") and start not in self.text_parts:
+            self.text_parts[start] = str(body["text"])
+        if body.get("done"):
+            self.finish_reason = body.get("finish_reason")
+            self.error = body.get("error")
+
+
+async def ask(
+    nc: NATS,
+    prompt: str | None = None,
+    *,
+    ns: ev.Namespace | None = None,
+    token_ids: list[int] | None = None,
+    params: ev.SamplingParams | None = None,
+    request_id: str | None = None,
+    timeout_s: float = 120.0,
+    deadline_s: float | None = None,
+) -> Outcome:
+    """Submit and collect the whole outcome (decision, tokens, text, timings)."""
+    rid = request_id or new_request_id()
+    out = Outcome(rid, submitted_at=time.monotonic())
+    async for body in submit(
+        nc,
+        prompt,
+        ns=ns,
+        token_ids=token_ids,
+        params=params,
+        request_id=rid,
+        timeout_s=timeout_s,
+        deadline_s=deadline_s,
+    ):
+        out.take(body)
+    return out

@@ -19,8 +19,16 @@ from mooncake.services import EmbeddedNats, EmbeddedPostgres, ManagedProcess, ur
 
 log = logging.getLogger(__name__)
 
-# Roles that exist so far, in start order (later issues add store, prefill, decode, gateway).
-ROLES: tuple[str, ...] = ("recorder", "conductor", "store-master", "store-node")
+# The whole system on one machine, in start order: (role, instances). Prefill and decode
+# workers each pool their own DRAM into the store (an embedded store node).
+LAYOUT: tuple[tuple[str, int], ...] = (
+    ("recorder", 1),
+    ("store-master", 1),
+    ("conductor", 1),
+    ("prefill", 2),
+    ("decode", 2),
+)
+ROLES: tuple[str, ...] = tuple(role for role, _ in LAYOUT)
 
 
 @dataclass
@@ -76,6 +84,12 @@ class Stack:
         env["MOONCAKE_NATS_URL"] = self.nats_url
         env["MOONCAKE_DATABASE_URL"] = self.database_url
         env["MOONCAKE_STORE__SECRET"] = self.store_secret
+        # Every worker must agree on these (block keys are computed on both sides).
+        env["MOONCAKE_BLOCK_TOKENS"] = str(self.settings.block_tokens)
+        env["MOONCAKE_NAMESPACE"] = self.settings.namespace
+        # Several engine processes share this machine's cores: one torch thread each,
+        # unless configured otherwise.
+        env.setdefault("MOONCAKE_ENGINE__THREADS", "1")
         return env
 
     def start_worker(self, role: str, index: int = 0) -> WorkerProcess:
@@ -88,8 +102,10 @@ class Stack:
         return w
 
     def start_workers(self, roles: tuple[str, ...] = ROLES) -> None:
+        counts = dict(LAYOUT)
         for role in roles:
-            self.start_worker(role)
+            for index in range(counts.get(role, 1)):
+                self.start_worker(role, index)
 
     def restart(self, w: WorkerProcess) -> WorkerProcess:
         self.workers.remove(w)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -161,6 +162,19 @@ def print_comparison(result: dict[str, Any]) -> None:
 
 
 def replay(
+    trace: Annotated[
+        Path | None,
+        typer.Argument(help="A Mooncake trace (JSONL) to replay against the live system"),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests")] = None,
+    tokens_per_block: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per trace block (traces use 512; default: MOONCAKE_BLOCK_TOKENS)"
+        ),
+    ] = None,
+    max_output: Annotated[int, typer.Option(help="Cap on output tokens per request")] = 32,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each request")] = 300.0,
     from_db: Annotated[
         bool, typer.Option("--from-db", help="Replay the arrivals recorded in Postgres")
     ] = False,
@@ -179,11 +193,19 @@ def replay(
     speed: Annotated[float, typer.Option(help="Arrival speed factor")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Counterfactual replay: how would the recorded arrivals have fared under POLICY?"""
-    if not from_db:
-        err.print("[red]nothing to replay:[/red] give --from-db (trace files come later)")
+    """Replay TRACE against the live system, or (--from-db) re-run the recorded arrivals
+    through the simulator under POLICY (counterfactual)."""
+    if trace is not None and from_db:
+        err.print("[red]give either a TRACE or --from-db, not both[/red]")
+        raise typer.Exit(2)
+    if trace is None and not from_db:
+        err.print("[red]nothing to replay:[/red] give a TRACE file or --from-db")
         raise typer.Exit(2)
     settings = settings_or_exit()
+    if trace is not None:
+        per_block = tokens_per_block or settings.block_tokens
+        _replay_live(settings, trace, speed, limit, per_block, max_output, timeout, as_json)
+        return
     url = database_url or settings.database_url
     if not url:
         err.print("[red]no database:[/red] pass --database-url or set MOONCAKE_DATABASE_URL")
@@ -200,3 +222,53 @@ def replay(
         print_result("replay", result, True)
     else:
         print_comparison(result)
+
+
+def _replay_live(
+    settings: Any,
+    trace: Path,
+    speed: float,
+    limit: int | None,
+    tokens_per_block: int,
+    max_output: int,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from mooncake.replay_live import LiveReplayOptions, run_live_replay
+    from mooncake.trace import TraceError
+
+    if tokens_per_block < 1 or max_output < 1 or timeout <= 0:
+        err.print("[red]--tokens-per-block and --max-output must be >= 1, --timeout > 0[/red]")
+        raise typer.Exit(2)
+    vocab = settings.engine.dummy.vocab if settings.engine.model == "dummy" else 49152
+    opts = LiveReplayOptions(trace, speed, limit, tokens_per_block, max_output, vocab, timeout)
+    total = limit if limit is not None else None
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=as_json) as progress:
+        task = progress.add_task(f"replay {trace.name}", total=total)
+
+        def done(out: Any) -> None:
+            progress.advance(task)
+
+        try:
+            result = asyncio.run(run_live_replay(settings, opts, done))
+        except (TraceError, ValueError, OSError) as exc:
+            err.print(f"[red]replay:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(2) from exc
+        except Exception as exc:  # NATS unreachable and the like: one line, no traceback
+            err.print(f"[red]replay failed:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
+            raise typer.Exit(1) from exc
+    print_result("replay", result if as_json else _flat(result), as_json)
+
+
+def _flat(result: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested summary -> one level of dotted keys (for the table; JSON keeps the same)."""
+    out: dict[str, Any] = {}
+    for k, v in result.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

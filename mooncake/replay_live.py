@@ -1,0 +1,155 @@
+"""`mooncake replay TRACE.jsonl`: a Mooncake trace against the live system.
+
+Each trace line becomes a real request: its hash ids become deterministic block tokens
+(`mooncake.trace.request_tokens`), so requests that share hash ids share a token prefix and
+therefore KV blocks, exactly as in the trace. Lengths are scaled to fit a CPU: a trace block
+(512 tokens) becomes `tokens_per_block` tokens, and the output length likewise, capped.
+Requests are submitted at their trace timestamps divided by `speed`, all in flight at once,
+and the summary is built from what the clients saw plus the prefill events (cache hits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+
+from mooncake import events as ev
+from mooncake.client import Outcome, ask
+from mooncake.config import Settings
+from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
+
+Progress = Callable[[Outcome], None]
+
+
+@dataclass(frozen=True)
+class LiveReplayOptions:
+    trace: Path
+    speed: float = 1.0
+    limit: int | None = None
+    tokens_per_block: int = 16
+    max_output_tokens: int = 32
+    vocab_size: int = 49152
+    timeout_s: float = 300.0
+
+
+def scaled_request(
+    req: TraceRequest, opts: LiveReplayOptions, seed: int
+) -> tuple[list[int], ev.SamplingParams]:
+    tokens = request_tokens(
+        req, vocab_size=opts.vocab_size, tokens_per_block=opts.tokens_per_block, seed=seed
+    )
+    out = math.ceil(req.output_length * opts.tokens_per_block / TRACE_BLOCK_TOKENS)
+    params = ev.SamplingParams(max_tokens=max(1, min(opts.max_output_tokens, out)))
+    return tokens, params
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    v = sorted(values)
+
+    def at(q: float) -> float:
+        return round(v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))], 4)
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def summarize(
+    outcomes: list[Outcome],
+    prefilled: dict[str, dict[str, Any]],
+    settings: Settings,
+    wall_s: float,
+) -> dict[str, Any]:
+    rejected = Counter(o.rejected_reason for o in outcomes if o.rejected_reason)
+    completed = [o for o in outcomes if o.finished]
+    prompt = sum(int(p.get("prompt_tokens", 0)) for p in prefilled.values())
+    cached = sum(int(p.get("cached_tokens", 0)) for p in prefilled.values())
+    remote = sum(int(p.get("remote_cached_tokens", 0)) for p in prefilled.values())
+    slo = settings.slo
+    good = [
+        o
+        for o in completed
+        if (o.ttft_s or 0) <= slo.ttft_s and (o.tbt_s is None or o.tbt_s <= slo.tbt_s)
+    ]
+    return {
+        "requests": len(outcomes),
+        "admitted": sum(o.admitted for o in outcomes),
+        "rejected": sum(rejected.values()),
+        "rejected_by_reason": dict(rejected),
+        "completed": len(completed),
+        "cancelled": sum(o.finish_reason == "cancelled" for o in outcomes),
+        "failed": sum(o.finish_reason == "failed" for o in outcomes),
+        "unfinished": sum(o.admitted and o.finish_reason is None for o in outcomes),
+        "ttft_s": percentiles([o.ttft_s for o in completed if o.ttft_s is not None]),
+        "tbt_s": percentiles([o.tbt_s for o in completed if o.tbt_s is not None]),
+        "output_tokens": sum(len(o.tokens) for o in completed),
+        "prompt_tokens": prompt,
+        "hit_rate": {
+            "local": round((cached - remote) / prompt, 4) if prompt else 0.0,
+            "remote": round(remote / prompt, 4) if prompt else 0.0,
+            "total": round(cached / prompt, 4) if prompt else 0.0,
+            "cached_tokens": cached,
+            "remote_tokens": remote,
+        },
+        "goodput_req_s": round(len(good) / wall_s, 3) if wall_s > 0 else 0.0,
+        "wall_s": round(wall_s, 2),
+    }
+
+
+async def run_live_replay(
+    settings: Settings, opts: LiveReplayOptions, on_done: Progress | None = None
+) -> dict[str, Any]:
+    if opts.speed <= 0:
+        raise ValueError("--speed must be > 0")
+    if opts.limit is not None and opts.limit < 1:
+        raise ValueError("--limit must be at least 1")
+    trace = load_trace(opts.trace, limit=opts.limit)  # TraceError (a ValueError) if bad
+    if not trace:
+        raise ValueError(f"{opts.trace} holds no requests")
+    ns = ev.Namespace(settings.namespace)
+    nc = await nats.connect(settings.nats_url, connect_timeout=3, max_reconnect_attempts=3)
+    prefilled: dict[str, dict[str, Any]] = {}
+
+    async def on_prefilled(msg: Msg) -> None:
+        with contextlib.suppress(ValueError):
+            body = json.loads(msg.data)
+            prefilled[str(body.get("request_id"))] = body
+
+    sub = await nc.subscribe(ns.of(ev.RequestPrefilled), cb=on_prefilled)
+    try:
+        start = time.monotonic()
+        t0 = trace[0].arrival_s
+        ids = [f"replay-{int(time.time())}-{i}" for i in range(len(trace))]
+
+        async def one(i: int, req: TraceRequest) -> Outcome:
+            delay = (req.arrival_s - t0) / opts.speed - (time.monotonic() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tokens, params = scaled_request(req, opts, settings.hash_seed)
+            out = await ask(
+                nc, token_ids=tokens, params=params, ns=ns, request_id=ids[i],
+                timeout_s=opts.timeout_s,
+            )  # fmt: skip
+            if on_done is not None:
+                on_done(out)
+            return out
+
+        outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
+        wall = time.monotonic() - start
+        await asyncio.sleep(0.2)  # the last prefill events
+        mine = {rid: prefilled[rid] for rid in ids if rid in prefilled}
+        return summarize(list(outcomes), mine, settings, wall)
+    finally:
+        await sub.unsubscribe()
+        await nc.drain()
