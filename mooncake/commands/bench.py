@@ -48,6 +48,27 @@ def bench_store(
     print_result("bench store", result, as_json)
 
 
+@bench_app.command("pipeline")
+def bench_pipeline(
+    requests: Annotated[int, typer.Option(help="Requests timed one at a time")] = 200,
+    burst: Annotated[int, typer.Option(help="Submissions for the admission rate")] = 2000,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Time outside model compute from submit to first token vs a bare 3-hop nats-py relay,
+    and the sustained admission rate, with the real workers and a tiny dummy model."""
+    from mooncake.bench.pipeline import run_pipeline_bench
+
+    try:
+        result = asyncio.run(run_pipeline_bench(requests=requests, burst=burst, log=err.print))
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    except RuntimeError as exc:
+        err.print(f"[red]bench pipeline failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    print_result("bench pipeline", result, as_json)
+
+
 @bench_app.command("conductor")
 def bench_conductor(
     requests: Annotated[int, typer.Option(help="Decisions to time (conversation trace)")] = 12000,
