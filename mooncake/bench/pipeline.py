@@ -144,6 +144,7 @@ async def _admission_rate(nc: nats.NATS, ns: ev.Namespace, burst: int, log: Log)
     admitted: list[float] = []
     rejected = 0
     ids = {f"burst-{secrets.token_hex(6)}-{i}" for i in range(burst)}
+    all_decided = asyncio.Event()
 
     async def on_decision(msg: Msg) -> None:
         nonlocal rejected
@@ -154,6 +155,8 @@ async def _admission_rate(nc: nats.NATS, ns: ev.Namespace, burst: int, log: Log)
                     admitted.append(time.perf_counter())
                 else:
                     rejected += 1
+                if len(admitted) + rejected >= burst:
+                    all_decided.set()
 
     subs = [
         await nc.subscribe(ns.of(ev.RequestAdmitted), cb=on_decision),
@@ -168,9 +171,8 @@ async def _admission_rate(nc: nats.NATS, ns: ev.Namespace, burst: int, log: Log)
     ]  # fmt: skip
     started = time.perf_counter()
     await Publisher(nc, nc.jetstream(), ns).publish_many(batch)
-    deadline = time.monotonic() + 120
-    while len(admitted) + rejected < burst and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(all_decided.wait(), 120)
     for s in subs:
         await s.unsubscribe()
     if not admitted:
