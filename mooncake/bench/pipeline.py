@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from mooncake import events as ev
@@ -75,7 +76,7 @@ def _p(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(q * len(v)))]
 
 
-async def _ready(nc: nats.NATS, ns: ev.Namespace, within_s: float) -> None:
+async def _ready(nc: NATS, ns: ev.Namespace, within_s: float) -> None:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         out = await ask(
@@ -88,7 +89,7 @@ async def _ready(nc: nats.NATS, ns: ev.Namespace, within_s: float) -> None:
 
 
 async def _overhead(
-    nc: nats.NATS, ns: ev.Namespace, url: str, requests: int, log: Log
+    nc: NATS, ns: ev.Namespace, url: str, requests: int, log: Log
 ) -> dict[str, Any]:
     prefilled: dict[str, float] = {}
 
@@ -140,7 +141,7 @@ async def _overhead(
     }
 
 
-async def _admission_rate(nc: nats.NATS, ns: ev.Namespace, burst: int, log: Log) -> dict[str, Any]:
+async def _admission_rate(nc: NATS, ns: ev.Namespace, burst: int, log: Log) -> dict[str, Any]:
     admitted: list[float] = []
     rejected = 0
     ids = {f"burst-{secrets.token_hex(6)}-{i}" for i in range(burst)}
