@@ -113,6 +113,39 @@ class EngineSettings(BaseModel):
     max_batch: Annotated[int, Field(ge=1, le=1024)] = 32
 
 
+class ConductorSettings(BaseModel):
+    """The live Conductor (workers/conductor.py): liveness, retries and its cost model.
+
+    `mooncake.serving.conductor_setup` maps this (with the SLO and block size) onto the
+    core's `ConductorConfig` and cost model.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Prefill and decode instances publish a LoadReport this often (mc.load.<instance>).
+    load_report_interval_s: Annotated[float, Field(gt=0)] = 0.5
+    # Silence for this long declares an instance dead: its work is re-dispatched. Several
+    # report intervals, so one late or lost report (core NATS) does not kill an instance.
+    liveness_timeout_s: Annotated[float, Field(gt=0)] = 3.0
+    # Dispatches of one stage (prefill, decode) of a request before it fails for good.
+    max_attempts: Annotated[int, Field(ge=1, le=100)] = 3
+    # How long a submission (or re-dispatched work) waits for an instance of the role it
+    # needs (start-up, whole pool down) before it ends with `no_instance`.
+    no_instance_wait_s: Annotated[float, Field(ge=0)] = 10.0
+    # Prefill / decode-step time predictor: a `mooncake profile engine` JSON (fitted
+    # polynomial), or None for the analytic model of the paper's reference hardware.
+    cost_profile: Path | None = None
+    reference_hardware: Literal["8xA800", "8xH800"] = "8xA800"
+    # KV transfer between nodes, for a profiled (non-reference) deployment: the store's
+    # transport bandwidth and latency. KV bytes per token come from the engine settings.
+    transfer_bytes_per_s: Annotated[float, Field(gt=0)] = 1e9
+    transfer_latency_s: Annotated[float, Field(ge=0)] = 1e-3
+    # Algorithm 1's knob: take the pool's prefix when it is this many times the local one.
+    balancing_threshold: Annotated[float, Field(ge=1.0)] = 2.0
+    # `predicted` admission: the uniform decode time every request is assumed to take.
+    uniform_decode_s: Annotated[float, Field(gt=0)] = 10.0
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MOONCAKE_",
@@ -139,11 +172,18 @@ class Settings(BaseSettings):
     store: StoreSettings = StoreSettings()
     engine: EngineSettings = EngineSettings()
 
-    # Admission policy; the Conductor issue adds baseline, early and predicted.
-    admission_policy: Literal["none"] = "none"
+    # Admission policy (PAPER.md §5). "none" by default: rejecting is only as good as the
+    # cost model, and the analytic reference model (LLaMA3-70B on 8xA800) does not describe
+    # the machine a default install runs on. Run "predicted" (what Mooncake runs) together
+    # with `conductor.cost_profile` from `mooncake profile engine` on the serving hardware.
+    admission_policy: Literal["none", "baseline", "early", "predicted"] = "none"
+    conductor: ConductorSettings = ConductorSettings()
 
     # OpenTelemetry: spans are created always, exported only when an endpoint is set.
     otlp_endpoint: str | None = None
+    # Also (or instead) write every finished span as a JSON line to <trace_dir>/<role>-<pid>.jsonl
+    # (tests, offline debugging).
+    trace_dir: Path | None = None
     # Share of new traces recorded when there is somewhere to export them (else none are).
     trace_sample_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     service_name: str = "mooncake"

@@ -11,7 +11,9 @@ process serves Prometheus `/metrics` on `Settings.metrics_port` (0 = free port, 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -75,11 +77,13 @@ def setup_tracing(
     resource = Resource.create(
         {"service.name": f"{settings.service_name}-{role}", "mooncake.role": role}
     )
-    exporting = exporter is not None or bool(settings.otlp_endpoint)
+    exporting = exporter is not None or bool(settings.otlp_endpoint) or bool(settings.trace_dir)
     _installed_root = _RootSampler(settings.trace_sample_ratio, exporting)
     provider = TracerProvider(resource=resource, sampler=ParentBased(_installed_root))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
+    if settings.trace_dir is not None:
+        provider.add_span_processor(SimpleSpanProcessor(_file_exporter(settings.trace_dir, role)))
     if settings.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -87,6 +91,15 @@ def setup_tracing(
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)
     return provider
+
+
+def _file_exporter(directory: Path, role: str) -> SpanExporter:
+    """Spans as JSON lines in a file of this process's own (no interleaving writers)."""
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    out = open(directory / f"{role}-{os.getpid()}.jsonl", "a", buffering=1)
+    return ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
 
 
 def tracer() -> trace.Tracer:
