@@ -1,0 +1,294 @@
+"""The live pipeline end to end: real worker processes (recorder, store master, Conductor,
+2 prefill + 2 decode workers with a small seeded dummy model), real NATS and Postgres.
+
+Outputs are checked against a single-process run of the same engine; the record is checked
+for exactly one terminal event per request; a prefill and a decode worker are killed with -9
+in the middle of a trace replay."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from mooncake import events as ev
+from mooncake.bus.publish import Publisher
+from mooncake.client import Outcome, ask, submit
+from mooncake.config import EngineSettings, Settings
+from mooncake.db.engine import async_engine
+from mooncake.engine import Engine, generate
+from mooncake.engine.sampling import SamplingParams as EngineParams
+from mooncake.replay_live import LiveReplayOptions, run_live_replay, scaled_request
+from mooncake.serving.models import build_engine
+from mooncake.telemetry import setup_tracing, tracer
+from mooncake.trace import load_trace
+
+from helpers import Worker, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+TRACE_SLICE = Path(__file__).parents[2] / "mooncake" / "data" / "conversation_head.jsonl"
+TERMINAL = ("request.completed", "request.failed", "request.cancelled", "request.rejected")
+LAYOUT = (
+    ("recorder", "recorder-0"),
+    ("store-master", "store-master-0"),
+    ("conductor", "conductor-0"),
+    ("prefill", "prefill-0"),
+    ("prefill", "prefill-1"),
+    ("decode", "decode-0"),
+    ("decode", "decode-1"),
+)
+
+
+@dataclass
+class Pipeline:
+    settings: Settings
+    workers: dict[str, Worker]
+    spans: Path
+    engine: Engine
+
+    @property
+    def ns(self) -> ev.Namespace:
+        return ev.Namespace(self.settings.namespace)
+
+    def expected(self, tokens: list[int], max_tokens: int) -> list[int]:
+        params = EngineParams(max_tokens=max_tokens)
+        return generate(self.engine, [tokens], [params])[0].tokens
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    nats_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    tmp = tmp_path_factory.mktemp("pipeline")
+    settings = Settings(
+        nats_url=nats_url,
+        database_url=database_url,
+        namespace="p" + uuid.uuid4().hex[:10],
+        data_dir=tmp / "data",
+        block_tokens=16,
+        engine=EngineSettings(model="dummy"),
+    )
+    spans = tmp / "spans"
+    env = {
+        "MOONCAKE_BLOCK_TOKENS": "16",
+        "MOONCAKE_ENGINE__MODEL": "dummy",
+        "MOONCAKE_ENGINE__THREADS": "1",
+        "MOONCAKE_STORE__SECRET": "e2e-pipeline",
+        "MOONCAKE_STORE__DRAM_BYTES": str(64 << 20),
+        "MOONCAKE_STORE__HEARTBEAT_S": "0.2",
+        "MOONCAKE_STORE__NODE_TIMEOUT_S": "2",
+        # A killed worker's unacked work becomes redeliverable after this long.
+        "MOONCAKE_BUS__ACK_WAIT_S": "3",
+        "MOONCAKE_TRACE_DIR": str(spans),
+    }
+    workers = {
+        name: Worker(role, settings, tmp / "logs", name=name, env=env) for role, name in LAYOUT
+    }
+    for w in workers.values():
+        w.start()
+    try:
+        yield Pipeline(settings, workers, spans, build_engine(settings))
+    finally:
+        for w in workers.values():
+            if w.proc is not None and w.proc.poll() is None:
+                w.stop()
+        logs = {name: w.log() for name, w in workers.items()}
+        for name, text in logs.items():
+            assert "Traceback" not in text, f"{name}:\n{text[-4000:]}"
+
+
+@pytest_asyncio.fixture
+async def nc(pipeline: Pipeline) -> AsyncIterator[NATS]:
+    conn = await nats.connect(pipeline.settings.nats_url)
+    try:
+        deadline = asyncio.get_running_loop().time() + 120
+        while True:  # until the whole pipeline answers
+            out = await ask(
+                conn, token_ids=[1, 2, 3], ns=pipeline.ns,
+                params=ev.SamplingParams(max_tokens=2), timeout_s=10,
+            )  # fmt: skip
+            if out.finished:
+                break
+            assert asyncio.get_running_loop().time() < deadline, "pipeline never answered"
+            await asyncio.sleep(0.5)
+        yield conn
+    finally:
+        await conn.drain()
+
+
+@pytest_asyncio.fixture
+async def db(pipeline: Pipeline) -> AsyncIterator[AsyncEngine]:
+    assert pipeline.settings.database_url
+    eng = async_engine(pipeline.settings.database_url)
+    try:
+        yield eng
+    finally:
+        await eng.dispose()
+
+
+async def terminal_counts(db: AsyncEngine, ids: list[str]) -> dict[str, int]:
+    from sqlalchemy import text
+
+    async with db.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT request_id, count(*) FROM events WHERE request_id = ANY(:ids) "
+                    "AND type = ANY(:types) GROUP BY request_id"
+                ),
+                {"ids": ids, "types": list(TERMINAL)},
+            )
+        ).all()
+    return {rid: n for rid, n in rows}
+
+
+async def test_shared_system_prompt_reuses_blocks_and_matches_one_process(
+    pipeline: Pipeline, nc: NATS, db: AsyncEngine
+) -> None:
+    system = [(7 * k + 3) % 1000 for k in range(80)]  # 5 whole blocks of 16
+    ids, outs = [], []
+    for i in range(10):
+        tokens = system + [(i * 13 + k) % 1000 for k in range(6)]
+        rid = f"shared-{uuid.uuid4().hex[:8]}-{i}"
+        out = await ask(
+            nc, token_ids=tokens, ns=pipeline.ns, request_id=rid,
+            params=ev.SamplingParams(max_tokens=8), timeout_s=60,
+        )  # fmt: skip
+        assert out.finished, (rid, out.finish_reason, out.error)
+        assert out.token_ids == pipeline.expected(tokens, 8), rid
+        ids.append(rid)
+        outs.append(out)
+
+    from sqlalchemy import text
+
+    async def recorded() -> bool:
+        counts = await terminal_counts(db, ids)
+        return len(counts) == 10
+
+    await wait_for(recorded, 30, "the ten requests to be recorded as completed")
+    async with db.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT request_id, status, cached_tokens FROM requests "
+                    "WHERE request_id = ANY(:ids)"
+                ),
+                {"ids": ids},
+            )
+        ).all()
+    by_id = {r[0]: r for r in rows}
+    assert all(by_id[rid][1] == "completed" for rid in ids)
+    assert sum(by_id[rid][2] for rid in ids[1:]) > 0, "later requests reused no cached block"
+    assert (await terminal_counts(db, ids)) == dict.fromkeys(ids, 1)
+
+
+async def test_one_request_is_one_connected_trace(pipeline: Pipeline, nc: NATS) -> None:
+    memory = InMemorySpanExporter()
+    setup_tracing(pipeline.settings, "test-client", exporter=memory)
+    with tracer().start_as_current_span("client request") as root:
+        trace_id = format(root.get_span_context().trace_id, "032x")
+        out = await ask(
+            nc, token_ids=[5, 6, 7, 8] * 5, ns=pipeline.ns,
+            params=ev.SamplingParams(max_tokens=4), timeout_s=60,
+        )  # fmt: skip
+    assert out.finished
+    await asyncio.sleep(1.0)  # the last spans (decode completion) reach their files
+    spans: list[dict[str, Any]] = []
+    for f in pipeline.spans.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            s = json.loads(line)
+            if s["context"]["trace_id"] == "0x" + trace_id:
+                spans.append(s)
+    roles = {s["resource"]["attributes"].get("mooncake.role") for s in spans}
+    assert {"conductor", "prefill", "decode"} <= roles, roles
+    ids = {s["context"]["span_id"] for s in spans} | {
+        "0x" + format(s.context.span_id, "016x") for s in memory.get_finished_spans()
+    }
+    orphans = [s["name"] for s in spans if s["parent_id"] not in ids]
+    assert not orphans, f"spans whose parent is not in the trace: {orphans}"
+
+
+async def test_cancel_in_the_middle_of_decode(
+    pipeline: Pipeline, nc: NATS, db: AsyncEngine
+) -> None:
+    rid = f"cancel-{uuid.uuid4().hex[:8]}"
+    out = Outcome(rid)
+    stream = submit(
+        nc, token_ids=[9, 8, 7, 6] * 10, ns=pipeline.ns, request_id=rid,
+        params=ev.SamplingParams(max_tokens=3000), timeout_s=60,
+    )  # fmt: skip
+    cancelled = False
+    async for body in stream:
+        out.take(body)
+        if len(out.tokens) >= 5 and not cancelled:
+            await Publisher(nc, nc.jetstream(), pipeline.ns).publish(
+                ev.CancelRequested(request_id=rid, reason="test")
+            )
+            cancelled = True
+    assert cancelled and out.finish_reason == "cancelled", out.finish_reason
+    assert len(out.tokens) < 3000
+
+    async def recorded() -> bool:
+        return (await terminal_counts(db, [rid])).get(rid) == 1
+
+    await wait_for(recorded, 20, "exactly one terminal event for the cancelled request")
+    from sqlalchemy import text
+
+    async with db.connect() as conn:
+        status = (
+            await conn.execute(
+                text("SELECT status FROM requests WHERE request_id = :r"), {"r": rid}
+            )
+        ).scalar_one()
+    assert status == "cancelled"
+
+
+async def test_killed_prefill_and_decode_workers_lose_nothing(
+    pipeline: Pipeline, nc: NATS, db: AsyncEngine
+) -> None:
+    trace = load_trace(TRACE_SLICE, limit=50)
+    opts = LiveReplayOptions(
+        TRACE_SLICE, speed=20.0, limit=50, tokens_per_block=16, max_output_tokens=8,
+        vocab_size=pipeline.settings.engine.dummy.vocab, timeout_s=240,
+    )  # fmt: skip
+    done: list[Outcome] = []
+    replay = asyncio.create_task(run_live_replay(pipeline.settings, opts, done.append))
+    await wait_for(lambda: _true(len(done) >= 8), 120, "the replay to get going")
+    pipeline.workers["prefill-0"].kill()
+    pipeline.workers["decode-0"].kill()
+    summary = await replay
+    assert summary["requests"] == 50
+    assert summary["completed"] + summary["rejected"] + summary["failed"] == 50, summary
+    ids = [o.request_id for o in done]
+
+    async def all_recorded() -> bool:
+        return len(await terminal_counts(db, ids)) == 50
+
+    await wait_for(all_recorded, 60, "a terminal event for each of the 50 requests")
+    counts = await terminal_counts(db, ids)
+    assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v != 1}
+    checked = 0
+    for out in done:
+        if not out.finished:
+            continue
+        req = trace[int(out.request_id.rsplit("-", 1)[1])]  # replay ids end in the line index
+        tokens, params = scaled_request(req, opts, pipeline.settings.hash_seed)
+        assert out.token_ids == pipeline.expected(tokens, params.max_tokens), out.request_id
+        checked += 1
+    assert checked >= 40, f"only {checked} of 50 completed"
+
+
+async def _true(v: bool) -> bool:
+    return v
