@@ -49,6 +49,33 @@ REQUESTS_REJECTED = Counter(
 )
 REQUESTS_ADMITTED = Counter("mc_requests_admitted_total", "Requests admitted", ["policy"])
 
+# --- the Conductor's view of the instances (from their load reports) -------------------------
+INSTANCE_QUEUE_DEPTH = Gauge(
+    "mc_instance_queue_depth",
+    "Requests waiting on an instance, from its latest load report",
+    ["instance", "role"],
+)
+INSTANCE_RUNNING = Gauge(
+    "mc_instance_running",
+    "Requests an instance is computing (decode: its batch), from its latest load report",
+    ["instance", "role"],
+)
+INSTANCES_DECLARED_DEAD = Counter(
+    "mc_instances_declared_dead_total",
+    "Instances the Conductor declared dead after their load reports stopped",
+    ["role"],
+)
+WORK_REDISPATCHED = Counter(
+    "mc_work_redispatched_total",
+    "Work of a dead instance dispatched again to a live one, by stage",
+    ["stage"],
+)
+REQUESTS_ENDED_BY_CONDUCTOR = Counter(
+    "mc_conductor_terminal_total",
+    "Terminal events the Conductor published (failed after retries, cancelled), by type",
+    ["type", "reason"],
+)
+
 # --- the store ---------------------------------------------------------------------------------
 STORE_OPS = Counter(
     "mc_store_ops_total",

@@ -1,20 +1,30 @@
-"""The Conductor process: ingress validation, request-id dedupe and admission.
+"""The Conductor process: ingress validation, request-id dedupe, admission and dispatch,
+cancellation and failure recovery.
 
 Consumes `mc.req.submitted` (durable consumer "conductor"), validates every message once
-(`mooncake.core.ingress`), and publishes `mc.req.admitted` / `mc.req.rejected` with the
-decision; the decision is also sent to the request's `reply_to` subject so a client hears
-back at once. Events it emits have ids derived from the submission's id, so a redelivered
-submission produces the same events again and the broker/recorder drop the copies.
+(`mooncake.core.ingress`), turns the prompt into tokens and chained block keys, and asks the
+core (Algorithm 1 + the configured admission policy, `mooncake.core.admission`) for a
+Decision against a ClusterView kept current from the bus (`serving.conductor_feed`). It
+publishes `mc.req.admitted` (and the `PrefillWork` on `mc.prefill.<instance>`) or
+`mc.req.rejected`, each with every input of the decision; the decision also goes to the
+request's `reply_to`. Events it emits have ids derived from the submission's id, so a
+redelivered submission produces the same events again and the broker/recorder drop the
+copies. With no instance to send work to yet (start-up), a submission is retried for
+`conductor.no_instance_wait_s` before it is rejected with `no_instance`.
 
-The KVCache-centric scheduling and early rejection of PAPER.md §3/§5 plug in at
-`decide()`; until those land the only policy is `none` (admit everything).
+Also: `mc.req.cancel` (durable consumer "conductor-cancel") ends a request as cancelled;
+the reaper (`serving.conductor_reaper`) re-dispatches a dead instance's work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import time
+from collections.abc import Callable
+from typing import Any
 
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyWrongLastSequenceError
@@ -22,6 +32,7 @@ from nats.js.kv import KeyValue
 
 from mooncake import events as ev
 from mooncake import metrics
+from mooncake.bus import terminal
 from mooncake.bus.consume import (
     ACK,
     ConsumerSpec,
@@ -29,35 +40,83 @@ from mooncake.bus.consume import (
     Delivery,
     Outcome,
     PullConsumer,
+    Retry,
     per_message,
 )
 from mooncake.bus.publish import MSG_ID
 from mooncake.config import Settings
-from mooncake.core import ingress
+from mooncake.core import admission, ingress
+from mooncake.core import cluster as cl
+from mooncake.core import conductor as cd
+from mooncake.core.cost_model import Costs
+from mooncake.engine.errors import EngineError
+from mooncake.engine.tokenizer import ChatTokenizer
+from mooncake.events import RejectReason
+from mooncake.hashing import block_keys
+from mooncake.serving import conductor_dispatch as dispatch
+from mooncake.serving.conductor_feed import LiveFeed, Liveness, Member
+from mooncake.serving.conductor_reaper import Reaper
+from mooncake.serving.conductor_setup import build_costs, conductor_config
+from mooncake.serving.conductor_terminal import Ender, Known, KnownRequests, cancel_stage
+from mooncake.serving.models import build_tokenizer
+from mooncake.work import WorkSubjects
 from workers.runtime import WorkerContext, configure_logging, worker_context
 
 log = logging.getLogger("mooncake.conductor")
 
 SUBMITTED = ConsumerSpec("MC_REQ", "conductor", ev.RequestSubmitted.SUBJECT)
+CANCELS = ConsumerSpec("MC_REQ", "conductor-cancel", ev.CancelRequested.SUBJECT)
 REQUEST_IDS_BUCKET = "MC_REQUEST_IDS"  # canonical; namespaced like the streams
 REQUEST_ID_TTL_S = 24 * 3600.0
-
-
-def decide(request: ev.RequestSubmitted, policy: str) -> ev.RequestAdmitted | ev.RequestRejected:
-    """Admission. Policy `none` admits everything."""
-    return ev.RequestAdmitted(
-        event_id=ev.derived_event_id(request.event_id, "admitted"),
-        request_id=request.request_id,
-        policy=policy,
-        prompt_tokens=len(request.token_ids) if request.token_ids is not None else None,
-        inputs={"slo_class": request.slo_class},
-    )
+NO_TOKENIZER = (
+    "a text prompt needs the model's tokenizer and the configured model (dummy) has none: "
+    "send token_ids"
+)
 
 
 class Conductor:
-    def __init__(self, ctx: WorkerContext, request_ids: KeyValue) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        request_ids: KeyValue,
+        terminal_kv: KeyValue,
+        tokenizer: ChatTokenizer | None,
+        costs: Costs,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        s = ctx.settings
         self._ctx = ctx
         self._ids = request_ids
+        self._terminal = terminal_kv
+        self._tokenizer = tokenizer
+        self._vocab = tokenizer.vocab_size if tokenizer is not None else s.engine.dummy.vocab
+        self._policy: admission.Policy = s.admission_policy
+        self._cfg = conductor_config(s)
+        self._costs = costs
+        self._clock = clock
+        self._subjects = WorkSubjects(ctx.ns)
+        self.view = cl.ClusterView()
+        self.known = KnownRequests()
+        self.ender = Ender(ctx.nc, ctx.publisher, terminal_kv)
+        self.reaper = Reaper(
+            ctx.nc, ctx.js, s, self.view, self._cfg, costs, self.ender, clock=clock
+        )
+        self.liveness = Liveness(s.conductor.liveness_timeout_s)
+        self.feed = LiveFeed(
+            ctx.nc, ctx.ns, self.view, self.liveness,
+            on_dead=self._on_dead, on_fact=self._on_fact,
+            tick_s=min(s.conductor.load_report_interval_s, s.conductor.liveness_timeout_s / 4),
+            clock=clock,
+        )  # fmt: skip
+
+    async def _on_dead(self, member: Member) -> None:
+        self.reaper.watch(member)
+
+    def _on_fact(self, fact: cl.Fact) -> None:
+        if isinstance(fact, cl.InstanceJoined):
+            log.info("%s instance %s joined (node %s)", fact.role, fact.instance, fact.node)
+            self.reaper.revived(fact.instance)
 
     async def _first_submission(self, request: ev.RequestSubmitted) -> bool:
         """True for the first submission of a request id (or a redelivery of it)."""
@@ -85,22 +144,112 @@ class Conductor:
                 metrics.REQUESTS_REJECTED.labels("ingress", rejected.reason.value).inc()
                 return ACK
             case ingress.Accept(request=request):
-                return await self._admit(request)
+                return await self._admit(request, d)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _admit(self, request: ev.RequestSubmitted) -> Outcome:
+    def _prompt_tokens(self, request: ev.RequestSubmitted) -> list[int] | str:
+        """The prompt's token ids, or why there are none (an invalid_request detail)."""
+        if request.token_ids is not None:
+            tokens = list(request.token_ids)
+        elif self._tokenizer is None:
+            return NO_TOKENIZER
+        else:
+            assert request.prompt is not None
+            try:
+                tokens = self._tokenizer.encode_chat([{"role": "user", "content": request.prompt}])
+            except EngineError as e:
+                return str(e)
+        if not tokens:
+            return "the prompt has no tokens"
+        if (bad := max(tokens)) >= self._vocab:
+            return f"token id {bad} is outside the model's vocabulary of {self._vocab}"
+        return tokens
+
+    async def _admit(self, request: ev.RequestSubmitted, d: Delivery) -> Outcome:
         if not await self._first_submission(request):
             log.info("duplicate submission of %s ignored", request.request_id)
             return ACK
-        outcome = decide(request, self._ctx.settings.admission_policy)
-        await self._ctx.publisher.publish(outcome)
-        if isinstance(outcome, ev.RequestAdmitted):
-            metrics.REQUESTS_ADMITTED.labels(outcome.policy).inc()
-        else:
-            metrics.REQUESTS_REJECTED.labels(outcome.stage, outcome.reason.value).inc()
+        if await terminal.ended(self._terminal, request.request_id) is not None:
+            log.info("%s ended before admission (cancelled)", request.request_id)
+            return ACK
+        tokens = self._prompt_tokens(request)
+        if isinstance(tokens, str):
+            rejected = dispatch.invalid_event(request, tokens)
+            await self._publish_outcome(request, rejected, "admission")
+            return ACK
+        s = self._ctx.settings
+        keys = block_keys(tokens, s.block_tokens, seed=s.hash_seed, salt=s.model_id)
+        sreq = cd.ScheduleRequest(request.request_id, len(tokens), tuple(keys))
+        now = self._clock()
+        decision = admission.decide(self._policy, self.view, sreq, self._cfg, self._costs, now)
+        if decision.reason is RejectReason.NO_INSTANCE:
+            delay = dispatch.no_instance_delay(
+                d.num_delivered, s.conductor.no_instance_wait_s, s.bus.max_deliver
+            )
+            if delay is not None:
+                return Retry("no prefill or decode instance yet", delay)
+        inputs = self._inputs(request, decision)
+        if not decision.admitted:
+            await self._publish_outcome(
+                request, dispatch.rejected_event(request, decision, inputs), decision.stage
+            )
+            return ACK
+        admitted = dispatch.admitted_event(request, decision, inputs)
+        fact = cd.assignment(decision)
+        if fact is not None:
+            self.view.apply(fact, now)
+        self.known.add(request.request_id, Known(request.reply_to, admitted.event_id))
+        await self._ctx.publisher.publish(admitted)
+        work = dispatch.prefill_work(request, decision, tokens, admitted.event_id, s.block_tokens)
+        await self._ctx.js.publish(
+            self._subjects.prefill(work.prefill_instance),
+            work.to_json(),
+            headers={MSG_ID: dispatch.prefill_work_msg_id(request.event_id)},
+        )
+        metrics.REQUESTS_ADMITTED.labels(admitted.policy).inc()
         if request.reply_to:
-            await self._ctx.nc.publish(request.reply_to, outcome.to_json())
+            await self._ctx.nc.publish(request.reply_to, admitted.to_json())
         return ACK
+
+    def _inputs(self, request: ev.RequestSubmitted, decision: cd.Decision) -> dict[str, Any]:
+        """Every input of the decision (the event log explains it afterwards)."""
+        return {
+            **decision.to_dict(),
+            "slo_class": request.slo_class,
+            "prompt_source": "token_ids" if request.token_ids is not None else "text",
+            "instances_alive": {
+                "prefill": self.liveness.alive("prefill"),
+                "decode": self.liveness.alive("decode"),
+            },
+        }
+
+    async def _publish_outcome(
+        self, request: ev.RequestSubmitted, rejected: ev.RequestRejected, stage: str
+    ) -> None:
+        await self._ctx.publisher.publish(rejected)
+        metrics.REQUESTS_REJECTED.labels(stage, rejected.reason.value).inc()
+        if request.reply_to:
+            await self._ctx.nc.publish(request.reply_to, rejected.to_json())
+
+    async def cancel(self, d: Delivery) -> Outcome:
+        event = ev.parse_event(d.data, subject=self._ctx.ns.canonical(d.subject))
+        if not isinstance(event, ev.CancelRequested):
+            detail = event.detail if isinstance(event, ev.InvalidEvent) else event.type
+            return DeadLetter("invalid_request", detail)
+        known = self.known.get(event.request_id)
+        stage = cancel_stage(self.view, event.request_id, known is not None)
+        reply_to = known.reply_to if known is not None else None
+        if await self.ender.cancel(event, stage, reply_to):
+            log.info("request %s cancelled at %s", event.request_id, stage)
+        self.view.apply(cl.RequestDropped(event.request_id), self._clock())
+        return ACK
+
+    async def start(self) -> None:
+        await self.feed.start()
+
+    async def stop(self) -> None:
+        await self.feed.stop()
+        await self.reaper.stop()
 
 
 async def open_request_ids(ctx: WorkerContext) -> KeyValue:
@@ -118,10 +267,40 @@ async def open_request_ids(ctx: WorkerContext) -> KeyValue:
         return await ctx.js.create_key_value(config)
 
 
+async def start_conductor(ctx: WorkerContext) -> Conductor:
+    """The Conductor with its cost model, tokenizer and buckets, following the cluster."""
+    s = ctx.settings
+    costs = build_costs(s)  # a bad profile stops the Conductor here, before any decision
+    try:
+        tokenizer = await asyncio.to_thread(build_tokenizer, s)
+    except Exception:
+        log.exception("no tokenizer for %s: text prompts will be rejected", s.engine.model)
+        tokenizer = None
+    conductor = Conductor(
+        ctx, await open_request_ids(ctx), await terminal.open_bucket(ctx.js, ctx.ns), tokenizer,
+        costs,
+    )  # fmt: skip
+    await conductor.start()
+    return conductor
+
+
+async def serve(ctx: WorkerContext, conductor: Conductor) -> None:
+    """Take submissions and cancels until `ctx.stop` is set."""
+    s = ctx.settings
+    submitted = PullConsumer(ctx.nc, ctx.js, SUBMITTED, s.bus, ctx.ns)
+    cancels = PullConsumer(ctx.nc, ctx.js, CANCELS, s.bus, ctx.ns)
+    try:
+        await asyncio.gather(
+            submitted.run(per_message(conductor.handle, "admit"), ctx.stop),
+            cancels.run(per_message(conductor.cancel, "cancel"), ctx.stop),
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            await conductor.stop()
+
+
 async def run(ctx: WorkerContext) -> None:
-    conductor = Conductor(ctx, await open_request_ids(ctx))
-    consumer = PullConsumer(ctx.nc, ctx.js, SUBMITTED, ctx.settings.bus, ctx.ns)
-    await consumer.run(per_message(conductor.handle, "admit"), ctx.stop)
+    await serve(ctx, await start_conductor(ctx))
 
 
 async def main(settings: Settings, instance_id: str | None = None) -> None:

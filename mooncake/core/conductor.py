@@ -239,6 +239,13 @@ def _argmin(rows: Sequence[tuple[Any, ...]], col: int) -> tuple[Any, ...]:
     return best
 
 
+def choose_decode(view: ClusterView, prompt_tokens: int, costs: Costs) -> DecodeInstance | None:
+    """Algorithm 1's "d by load" alone: for work that must move to another decode instance
+    after its prefill ran (the one it was routed to died)."""
+    decodes = _decode_candidates(view, prompt_tokens, costs)
+    return view.decode[_argmin(decodes, 5)[0]] if decodes else None
+
+
 def choose(
     view: ClusterView, req: ScheduleRequest, cfg: ConductorConfig, costs: Costs, now: float
 ) -> Choice | None:

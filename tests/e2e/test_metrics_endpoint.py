@@ -22,6 +22,7 @@ from mooncake.bus.connection import connect, ensure_streams
 from mooncake.bus.publish import MSG_ID, Publisher
 from mooncake.config import Settings
 from mooncake.services import EmbeddedNats, free_port
+from mooncake.work import LoadReport, WorkSubjects
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -83,6 +84,21 @@ async def _wait_for_scrape(proc: subprocess.Popen[bytes], port: int, log: Path) 
     pytest.fail(f"/metrics on :{port} never answered:\n{_read(log)}")
 
 
+async def _fake_instances(settings: Settings) -> None:
+    """A prefill and a decode instance as the Conductor sees them (their load reports):
+    with none, it would rightly reject the request with no_instance."""
+    nc = await connect(settings, "fake-instances")
+    subjects = WorkSubjects(ev.Namespace(settings.namespace))
+    try:
+        for seq in range(1, 1_000_000):
+            for iid, role in (("p0", "prefill"), ("d0", "decode")):
+                r = LoadReport(instance=iid, role=role, node=iid, seq=seq, at=time.time())
+                await nc.publish(subjects.load(iid), r.to_json())
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
 async def test_conductor_metrics_and_clean_shutdown(tmp_path: Path) -> None:
     nats = EmbeddedNats.create(tmp_path).start()
     namespace = "mx" + uuid.uuid4().hex[:10]
@@ -102,6 +118,7 @@ async def test_conductor_metrics_and_clean_shutdown(tmp_path: Path) -> None:
 
         settings = Settings(nats_url=nats.url, namespace=namespace, otlp_endpoint=None)
         ns = ev.Namespace(namespace)
+        instances = asyncio.create_task(_fake_instances(settings))
         nc = await connect(settings, "metrics-test")
         try:
             js = nc.jetstream()
@@ -141,6 +158,7 @@ async def test_conductor_metrics_and_clean_shutdown(tmp_path: Path) -> None:
             if got == expected or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
+        instances.cancel()
         assert got == expected, f"{got}\n--- exposition ---\n{text}\n--- log ---\n{_read(log_path)}"
         assert 'mc_bus_messages_total{consumer="conductor"' in text
         assert "mc_requests_admitted_total" in text

@@ -4,7 +4,9 @@ letter otherwise, and the next good message is processed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import nats
@@ -17,6 +19,7 @@ from mooncake.bus.connection import ensure_streams
 from mooncake.bus.publish import Publisher
 from mooncake.config import Settings
 from mooncake.services import EmbeddedNats
+from mooncake.work import LoadReport, WorkSubjects
 
 from helpers import Worker, scalar, wait_for
 
@@ -54,6 +57,16 @@ async def test_bad_corpus_is_rejected_or_dead_lettered_and_work_goes_on(
     js = nc.jetstream()
     await ensure_streams(js, settings)
     workers = [Worker(r, settings, tmp_path).start() for r in ("recorder", "conductor")]
+
+    async def instances() -> None:  # a prefill and a decode instance, as load reports
+        subjects = WorkSubjects(ns)
+        for seq in range(1, 1_000_000):
+            for iid, role in (("p0", "prefill"), ("d0", "decode")):
+                r = LoadReport(instance=iid, role=role, node=iid, seq=seq, at=time.time())
+                await nc.publish(subjects.load(iid), r.to_json())
+            await asyncio.sleep(0.2)
+
+    reporting = asyncio.create_task(instances())
     try:
         subject = ns.of(ev.RequestSubmitted)
         for payload in [*READABLE.values(), *UNREADABLE]:
@@ -88,6 +101,7 @@ async def test_bad_corpus_is_rejected_or_dead_lettered_and_work_goes_on(
         await wait_for(dead_lettered, 30, "every unreadable message to be dead-lettered")
         assert all(w.proc is not None and w.proc.poll() is None for w in workers), "a crash"
     finally:
+        reporting.cancel()
         codes = [w.stop() for w in workers]
         await nc.close()
     assert codes == [0, 0]

@@ -1,0 +1,116 @@
+"""Pure pieces of the Conductor's dispatch: a Decision -> the events and the work it sends.
+
+Ids are derived from the submission (`derived_event_id`), so a redelivered submission
+produces the same events and the same `PrefillWork` message id, and the broker's dedupe
+window and the recorder's unique index drop the copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mooncake import events as ev
+from mooncake.core.conductor import Decision
+from mooncake.events import RejectReason
+from mooncake.work import PrefillWork, Timing
+
+
+def prefill_work_msg_id(submission_event_id: str) -> str:
+    """`Nats-Msg-Id` of a request's first PrefillWork."""
+    return ev.derived_event_id(submission_event_id, "prefill-work-1")
+
+
+def redispatch_msg_id(old_msg_id: str, attempt: int) -> str:
+    """`Nats-Msg-Id` of work dispatched again (attempt >= 2) after its instance died.
+
+    Derived from the message it replaces, not from the request: a request can reach decode
+    through several prefill attempts, each sending its own DecodeWork (attempt 1, id from
+    the prefill attempt), so "request + attempt" would collide and the broker would drop a
+    live re-dispatch as a duplicate. A redelivered old message yields the same id again."""
+    return ev.derived_event_id(old_msg_id, f"redispatch-{attempt}")
+
+
+def timing_of(request: ev.RequestSubmitted) -> Timing:
+    submitted = request.occurred_at.timestamp()
+    deadline = submitted + request.deadline_s if request.deadline_s is not None else None
+    return Timing(submitted_at=submitted, deadline_at=deadline)
+
+
+def admitted_event(
+    request: ev.RequestSubmitted, decision: Decision, inputs: dict[str, Any]
+) -> ev.RequestAdmitted:
+    return ev.RequestAdmitted(
+        event_id=ev.derived_event_id(request.event_id, "admitted"),
+        request_id=request.request_id,
+        policy=decision.policy,
+        prefill_instance=decision.prefill_instance,
+        decode_instance=decision.decode_instance,
+        prompt_tokens=decision.prompt_tokens,
+        cached_prefix_tokens=decision.prefix_tokens,
+        predicted_ttft_s=decision.predicted_ttft_s,
+        predicted_tbt_s=decision.predicted_tbt_s,
+        inputs=inputs,
+    )
+
+
+def rejected_event(
+    request: ev.RequestSubmitted, decision: Decision, inputs: dict[str, Any]
+) -> ev.RequestRejected:
+    assert decision.reason is not None
+    stage = decision.stage if decision.stage in ("admission", "prefill", "decode") else "admission"
+    return ev.RequestRejected(
+        event_id=ev.derived_event_id(request.event_id, "rejected"),
+        request_id=request.request_id,
+        reason=decision.reason,
+        stage=stage,
+        policy=decision.policy,
+        predicted_ttft_s=decision.predicted_ttft_s,
+        predicted_tbt_s=decision.predicted_tbt_s,
+        inputs=inputs,
+    )
+
+
+def invalid_event(request: ev.RequestSubmitted, detail: str) -> ev.RequestRejected:
+    return ev.RequestRejected(
+        event_id=ev.derived_event_id(request.event_id, "rejected"),
+        request_id=request.request_id,
+        reason=RejectReason.INVALID_REQUEST,
+        stage="admission",
+        detail=detail[:2000],
+    )
+
+
+def prefill_work(
+    request: ev.RequestSubmitted,
+    decision: Decision,
+    token_ids: list[int],
+    admitted_event_id: str,
+    block_tokens: int,
+) -> PrefillWork:
+    assert decision.prefill_instance is not None and decision.decode_instance is not None
+    cached = decision.prefix_tokens // block_tokens
+    return PrefillWork(
+        request_id=request.request_id,
+        attempt=1,
+        token_ids=token_ids,
+        params=request.params,
+        reply_to=request.reply_to,
+        prefill_instance=decision.prefill_instance,
+        decode_instance=decision.decode_instance,
+        timing=timing_of(request),
+        cached_blocks=cached,
+        local_blocks=min(decision.local_prefix_blocks, cached),
+        admitted_event_id=admitted_event_id,
+    )
+
+
+def no_instance_delay(num_delivered: int, wait_s: float, max_deliver: int) -> float | None:
+    """Delay before the next look at a submission that found no instance, or None: reject it.
+
+    The waits grow geometrically (quick first retry, for a start-up race) and add up to
+    `wait_s` over the deliveries the consumer allows (`max_deliver`; one more and the message
+    would be dead-lettered instead of rejected)."""
+    tries = max_deliver - 1
+    if wait_s <= 0 or tries < 1 or num_delivered > tries:
+        return None
+    return float(wait_s * 2.0 ** (num_delivered - 1) / (2.0**tries - 1.0))

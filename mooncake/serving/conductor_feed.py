@@ -1,0 +1,223 @@
+"""The Conductor's ClusterView, fed live from the bus.
+
+Three signals, none of them durable (they are hints for prediction; the durable record is
+the recorder's job):
+- load reports (`mc.load.<instance>`, core NATS): the first report of an instance is its
+  `InstanceJoined`; a decode instance's report corrects its batch (`DecodeLoadReported`);
+  silence longer than the liveness timeout is `InstanceLeft` (+ `NodeLost` when no live
+  instance is left on its node, since a worker's store node lives in its process);
+- the KV index (`mc.kv.events.<node>`): `KvIndexSubscriber` follows every node straight into
+  the view's `BlockIndex`;
+- lifecycle events of admitted requests (`mc.req.*`, a core subscription): the facts that
+  move a request through the view's queues (`PrefillStarted`, `PrefillFinished`, ...).
+
+`Liveness`, `lifecycle_fact` are pure (time is an argument); `LiveFeed` does the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import ValidationError
+
+from mooncake import events as ev
+from mooncake import metrics
+from mooncake.core import cluster as cl
+from mooncake.store.kv_follow import KvIndexSubscriber
+from mooncake.store.kv_index import KvIndexFollower
+from mooncake.work import LoadReport, WorkSubjects
+
+log = logging.getLogger("mooncake.conductor.feed")
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(slots=True)
+class Member:
+    instance: str
+    role: Role
+    node: str
+    last_seen: float
+    seq: int = 0
+
+
+class Liveness:
+    """Which instances are alive, from their load reports. Pure: `now` is an argument."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.members: dict[str, Member] = {}
+
+    def report(self, r: LoadReport, now: float) -> list[cl.Fact]:
+        """The facts one report adds to the view (a first report is a join)."""
+        facts: list[cl.Fact] = []
+        m = self.members.get(r.instance)
+        if m is not None and (m.role != r.role or m.node != r.node):
+            # The id came back as something else (a restart with another role or node).
+            facts.extend(self._left(self.members.pop(r.instance)))
+            m = None
+        if m is None:
+            facts.append(cl.InstanceJoined(r.instance, r.role, r.node, r.kv_capacity_tokens))
+            m = self.members[r.instance] = Member(r.instance, r.role, r.node, now)
+        m.last_seen, m.seq = now, r.seq
+        if r.role == "decode":
+            facts.append(cl.DecodeLoadReported(r.instance, r.running, r.context_tokens))
+        return facts
+
+    def expire(self, now: float) -> list[tuple[Member, list[cl.Fact]]]:
+        """Instances silent for longer than the timeout, each with the facts of its death."""
+        dead = [m for m in self.members.values() if now - m.last_seen > self.timeout_s]
+        out: list[tuple[Member, list[cl.Fact]]] = []
+        for m in sorted(dead, key=lambda m: m.instance):
+            del self.members[m.instance]
+            out.append((m, self._left(m)))
+        return out
+
+    def _left(self, m: Member) -> list[cl.Fact]:
+        facts: list[cl.Fact] = [cl.InstanceLeft(m.instance)]
+        if not any(o.node == m.node for o in self.members.values() if o.instance != m.instance):
+            facts.append(cl.NodeLost(m.node))
+        return facts
+
+    def alive(self, role: Role) -> list[str]:
+        return sorted(m.instance for m in self.members.values() if m.role == role)
+
+
+# Lifecycle events the view follows, and the fact each one is.
+LIFECYCLE: tuple[type[ev.RequestEvent], ...] = (
+    ev.PrefillStarted,
+    ev.RequestPrefilled,
+    ev.DecodeStarted,
+    ev.RequestCompleted,
+    ev.RequestFailed,
+    ev.RequestCancelled,
+    ev.RequestRejected,
+)
+
+
+def lifecycle_fact(event: ev.Event) -> cl.Fact | None:
+    match event:
+        case ev.PrefillStarted(request_id=rid):
+            return cl.PrefillStarted(rid)
+        case ev.RequestPrefilled(request_id=rid):
+            return cl.PrefillFinished(rid)
+        case ev.DecodeStarted(request_id=rid):
+            return cl.DecodeStarted(rid)
+        case ev.RequestCompleted(request_id=rid):
+            return cl.DecodeFinished(rid)
+        case (
+            ev.RequestFailed(request_id=rid)
+            | ev.RequestCancelled(request_id=rid)
+            | ev.RequestRejected(request_id=rid)
+        ):
+            return cl.RequestDropped(rid)
+    return None
+
+
+OnDead = Callable[[Member], Awaitable[None]]
+OnFact = Callable[[cl.Fact], None]
+
+
+class LiveFeed:
+    """Subscriptions and the liveness ticker that keep one ClusterView current."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        ns: ev.Namespace,
+        view: cl.ClusterView,
+        liveness: Liveness,
+        *,
+        on_dead: OnDead,
+        on_fact: OnFact | None = None,
+        tick_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.nc, self.ns, self.view, self.liveness = nc, ns, view, liveness
+        self.follower = KvIndexFollower(view.blocks)
+        self.kv = KvIndexSubscriber(nc, ns, self.follower)
+        self._on_dead, self._on_fact = on_dead, on_fact
+        self._tick_s, self._clock = tick_s, clock
+        self._subs: list[Subscription] = []
+        self._ticker: asyncio.Task[None] | None = None
+        self._subject_type = {ns.of(c): c for c in LIFECYCLE}
+
+    def apply(self, fact: cl.Fact) -> None:
+        if isinstance(fact, cl.NodeLost):
+            # The node's blocks go, and so does its KV event stream: its next life (or a
+            # node that only looked dead) is re-read from a snapshot, not from deltas.
+            self.follower.drop_node(fact.node)
+        else:
+            self.view.apply(fact, self._clock())
+        if self._on_fact is not None:
+            self._on_fact(fact)
+
+    async def start(self) -> None:
+        await self.kv.start()
+        self._subs.append(
+            await self.nc.subscribe(WorkSubjects(self.ns).load("*"), cb=self._on_report)
+        )
+        for subject in self._subject_type:
+            self._subs.append(await self.nc.subscribe(subject, cb=self._on_lifecycle))
+        await self.nc.flush()
+        self._ticker = asyncio.create_task(self._tick())
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await self.kv.stop()
+
+    async def _on_report(self, msg: Msg) -> None:
+        try:
+            r = LoadReport.model_validate_json(msg.data)
+        except ValidationError:
+            log.warning("unreadable load report on %s ignored", msg.subject)
+            return
+        for fact in self.liveness.report(r, self._clock()):
+            self.apply(fact)
+        metrics.INSTANCE_QUEUE_DEPTH.labels(r.instance, r.role).set(r.queued)
+        metrics.INSTANCE_RUNNING.labels(r.instance, r.role).set(r.running)
+
+    async def _on_lifecycle(self, msg: Msg) -> None:
+        event = ev.parse_event(msg.data, subject=self.ns.canonical(msg.subject))
+        if isinstance(event, ev.InvalidEvent):
+            return
+        fact = lifecycle_fact(event)
+        if fact is not None:
+            self.apply(fact)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            try:
+                await self.expire()
+            except Exception:  # the ticker must outlive any one failure
+                log.exception("liveness check failed")
+
+    async def expire(self) -> None:
+        for member, facts in self.liveness.expire(self._clock()):
+            log.warning(
+                "%s instance %s silent for over %.1fs: declared dead",
+                member.role, member.instance, self.liveness.timeout_s,
+            )  # fmt: skip
+            for fact in facts:
+                self.apply(fact)
+            for gauge in (metrics.INSTANCE_QUEUE_DEPTH, metrics.INSTANCE_RUNNING):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(member.instance, member.role)
+            metrics.INSTANCES_DECLARED_DEAD.labels(member.role).inc()
+            await self._on_dead(member)

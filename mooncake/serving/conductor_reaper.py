@@ -1,0 +1,260 @@
+"""Failure recovery: the work a dead instance held goes to a live one, or the request fails.
+
+An instance takes work from its own durable consumer (`prefill-<id>` on `mc.prefill.<id>`,
+`decode-<id>` on `mc.decode.<id>`, stream MC_WORK) and acks it when the effect is durable.
+When the Conductor declares it dead (`LiveFeed`), the reaper binds to that consumer and pulls
+whatever it left: messages never delivered come at once, the ones it held unacked once their
+ack_wait runs out. Each is dispatched again to a live instance of the same role that the core
+chooses (`attempt + 1`, a message id derived from the attempt), and only then acked; past
+`max_attempts` the request fails (`retries_exhausted`). Work of a request that already ended
+(cancelled, say) is dropped. The reaper stops when the consumer is drained, or at once when
+the instance reports again (it is alive after all and takes its own work back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from pydantic import ValidationError
+
+from mooncake import events as ev
+from mooncake import metrics
+from mooncake.bus import terminal
+from mooncake.bus.consume import ConsumerSpec, PullConsumer
+from mooncake.bus.publish import MSG_ID
+from mooncake.config import Settings
+from mooncake.core import cluster as cl
+from mooncake.core import conductor as cd
+from mooncake.core.cost_model import Costs
+from mooncake.hashing import block_keys
+from mooncake.serving.conductor_dispatch import redispatch_msg_id
+from mooncake.serving.conductor_feed import Member
+from mooncake.serving.conductor_terminal import Ender, failed_event_id
+from mooncake.work import DecodeWork, PrefillWork, WorkSubjects
+
+log = logging.getLogger("mooncake.conductor.reaper")
+
+Role = Literal["prefill", "decode"]
+Work = PrefillWork | DecodeWork
+
+
+def work_consumer(role: Role, instance: str) -> ConsumerSpec:
+    """The durable consumer an instance takes its work from (canonical names)."""
+    return ConsumerSpec("MC_WORK", f"{role}-{instance}", f"mc.{role}.{instance}")
+
+
+def parse_work(role: Role, data: bytes) -> Work | None:
+    try:
+        if role == "prefill":
+            return PrefillWork.model_validate_json(data)
+        return DecodeWork.model_validate_json(data)
+    except ValidationError:
+        return None
+
+
+class Reaper:
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        settings: Settings,
+        view: cl.ClusterView,
+        cfg: cd.ConductorConfig,
+        costs: Costs,
+        ender: Ender,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.nc, self.js, self.settings = nc, js, settings
+        self.ns = ev.Namespace(settings.namespace)
+        self.subjects = WorkSubjects(self.ns)
+        self.view, self.cfg, self.costs, self.ender = view, cfg, costs, ender
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._waiting: dict[tuple[str, int], float] = {}  # (stream, seq) -> first no-instance
+
+    def watch(self, member: Member) -> None:
+        """Start reaping a dead instance's work (idempotent)."""
+        if member.instance in self._tasks:
+            return
+        task = asyncio.create_task(self._reap(member), name=f"reap-{member.instance}")
+        self._tasks[member.instance] = task
+        task.add_done_callback(functools.partial(self._done, member.instance))
+
+    def _done(self, instance: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(instance) is task:
+            del self._tasks[instance]
+
+    def revived(self, instance: str) -> None:
+        """The instance reports again: it takes its own work back."""
+        task = self._tasks.get(instance)
+        if task is not None:
+            log.info("%s reports again: reaping stops", instance)
+            task.cancel()
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- the loop over one dead instance's consumer ----------------------------------------
+
+    async def _bind(self, role: Role, instance: str) -> JetStreamContext.PullSubscription:
+        spec = work_consumer(role, instance).within(self.ns)
+        try:
+            await self.js.consumer_info(spec.stream, spec.durable)
+        except NotFoundError:
+            # It died before making its consumer: make it as the worker would, so work sent
+            # to it meanwhile can be pulled (one consumer per subject on a work queue).
+            pc = PullConsumer(
+                self.nc, self.js, work_consumer(role, instance), self.settings.bus, self.ns,
+                batch=1,
+            )  # fmt: skip
+            await pc.ensure()
+        return await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+
+    async def _reap(self, member: Member) -> None:
+        role, instance = member.role, member.instance
+        try:
+            psub = await self._bind(role, instance)
+        except Exception:
+            log.exception("cannot bind to %s's work consumer", instance)
+            return
+        bus = self.settings.bus
+        # Held messages come back one ack_wait after their last delivery (or in_progress).
+        linger = 2 * bus.ack_wait_s + self.settings.conductor.liveness_timeout_s
+        idle_since = self._clock()
+        log.info("reaping %s work of dead instance %s", role, instance)
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(16, timeout=1.0)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    msgs = []
+                for m in msgs:
+                    await self._one(role, m)
+                now = self._clock()
+                if msgs:
+                    idle_since = now
+                elif now - idle_since > linger:
+                    info = await psub.consumer_info()
+                    if info.num_pending == 0 and info.num_ack_pending == 0:
+                        log.info("%s's work is all re-dispatched", instance)
+                        return
+                    idle_since = now
+        finally:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+    async def _one(self, role: Role, m: Msg) -> None:
+        try:
+            await self._redispatch(role, m)
+        except Exception:
+            log.exception("re-dispatch of %s failed; it comes back after ack_wait", m.subject)
+
+    async def _redispatch(self, role: Role, m: Msg) -> None:
+        work = parse_work(role, m.data)
+        if work is None:
+            log.error("unreadable %s work on %s dropped", role, m.subject)
+            await m.term()
+            return
+        rid = work.request_id
+        if await terminal.ended(self.ender.kv, rid) is not None:
+            await m.ack()  # cancelled (or otherwise ended) meanwhile: nothing to do
+            self.view.apply(cl.RequestDropped(rid), self._clock())
+            return
+        attempt = work.attempt + 1
+        if attempt > self.settings.conductor.max_attempts:
+            await self._fail(role, work, "retries_exhausted", f"{work.attempt} attempts")
+            await m.ack()
+            return
+        old_id = (m.headers or {}).get(MSG_ID) or "{}:{}".format(*_msg_key(m))
+        sent = await self._send(role, work, attempt, redispatch_msg_id(old_id, attempt))
+        if sent is None:
+            await self._no_instance(role, work, m)
+            return
+        self._waiting.pop(_msg_key(m), None)
+        await m.ack()
+        metrics.WORK_REDISPATCHED.labels(role).inc()
+        log.info("%s work of %s re-dispatched to %s (attempt %d)", role, rid, sent, attempt)
+
+    async def _send(self, role: Role, work: Work, attempt: int, msg_id: str) -> str | None:
+        """Publish the work again to a live instance; the instance, or None if none is."""
+        now = self._clock()
+        if isinstance(work, PrefillWork):
+            keys = block_keys(
+                work.token_ids, self.settings.block_tokens,
+                seed=self.settings.hash_seed, salt=self.settings.model_id,
+            )  # fmt: skip
+            req = cd.ScheduleRequest(work.request_id, len(work.token_ids), tuple(keys))
+            choice = cd.choose(self.view, req, self.cfg, self.costs, now)
+            if choice is None:
+                return None
+            decode = work.decode_instance
+            if decode not in self.view.decode:
+                decode = choice.decode.id
+            cached = choice.prefix_tokens // self.cfg.block_tokens
+            new: Work = work.model_copy(
+                update={
+                    "attempt": attempt, "prefill_instance": choice.prefill.id,
+                    "decode_instance": decode, "cached_blocks": cached,
+                    "local_blocks": min(choice.local_blocks, cached),
+                }
+            )  # fmt: skip
+            target, subject = choice.prefill.id, self.subjects.prefill(choice.prefill.id)
+            # The queue-time update of Algorithm 1, on the instance that now has the work.
+            self.view.apply(cl.RequestDropped(work.request_id), now)
+            self.view.apply(
+                cl.Assigned(
+                    work.request_id, choice.prefill.id, decode, len(work.token_ids),
+                    choice.prefill_s, choice.ttft_s,
+                ),
+                now,
+            )  # fmt: skip
+        else:
+            d = cd.choose_decode(self.view, len(work.token_ids), self.costs)
+            if d is None:
+                return None
+            new = work.model_copy(update={"attempt": attempt, "decode_instance": d.id})
+            target, subject = d.id, self.subjects.decode(d.id)
+            self.view.apply(cl.RequestDropped(work.request_id), now)
+        await self.js.publish(subject, new.to_json(), headers={MSG_ID: msg_id})
+        return target
+
+    async def _no_instance(self, role: Role, work: Work, m: Msg) -> None:
+        """No live instance of the role: wait (bounded), then fail the request."""
+        first = self._waiting.setdefault(_msg_key(m), self._clock())
+        if self._clock() - first > self.settings.conductor.no_instance_wait_s:
+            self._waiting.pop(_msg_key(m), None)
+            await self._fail(role, work, "no_instance", f"no live {role} instance")
+            await m.ack()
+            return
+        await m.nak(delay=1.0)
+
+    async def _fail(self, role: Role, work: Work, reason: str, detail: str) -> None:
+        await self.ender.fail(
+            work.request_id,
+            failed_event_id(work.admitted_event_id, role),
+            reason=reason,
+            stage=role,
+            detail=detail,
+            reply_to=work.reply_to,
+        )
+        self.view.apply(cl.RequestDropped(work.request_id), self._clock())
+
+
+def _msg_key(m: Msg) -> tuple[str, int]:
+    meta = m.metadata
+    return (str(meta.stream), int(meta.sequence.stream))

@@ -1,0 +1,70 @@
+"""Settings -> the core's Conductor configuration and cost model (one place for both).
+
+The core (`mooncake.core.conductor`, `admission`, `cost_model`) knows nothing of Settings;
+the live worker and anything else that schedules like it (benchmarks, replay) build their
+`ConductorConfig` and `Costs` here, so a knob means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mooncake.config import EngineSettings, Settings
+from mooncake.core.conductor import ConductorConfig
+from mooncake.core.cost_model import (
+    A800_X8,
+    H800_X8,
+    Costs,
+    TransferModel,
+    parse_profile,
+    reference_costs,
+)
+
+HARDWARE = {"8xA800": A800_X8, "8xH800": H800_X8}
+# SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; the engine keeps KV in float32 on CPU.
+SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+
+
+def conductor_config(settings: Settings) -> ConductorConfig:
+    c = settings.conductor
+    return ConductorConfig(
+        block_tokens=settings.block_tokens,
+        balancing_threshold=c.balancing_threshold,
+        pool_fetch=True,
+        ttft_slo_s=settings.slo.ttft_s,
+        tbt_slo_s=settings.slo.tbt_s,
+        uniform_decode_s=c.uniform_decode_s,
+    )
+
+
+def kv_bytes_per_token(engine: EngineSettings) -> int:
+    """KV bytes one token takes in the served model (K and V, every layer, float32)."""
+    if engine.model == "dummy":
+        d = engine.dummy
+        return 2 * d.layers * d.kv_heads * (d.hidden // d.heads) * 4
+    return SMOLLM2_KV_BYTES_PER_TOKEN
+
+
+def costs_from_profile(doc: dict[str, Any], settings: Settings) -> Costs:
+    """A fitted cost model for the profiled engine; transfers over the store's transport."""
+    fitted = parse_profile(doc)
+    c = settings.conductor
+    transfer = TransferModel(
+        c.transfer_bytes_per_s, c.transfer_latency_s, kv_bytes_per_token(settings.engine)
+    )
+    return Costs(fitted, fitted, transfer)
+
+
+def build_costs(settings: Settings) -> Costs:
+    """The configured cost model (reads the profile file: call it at start-up, not per
+    request). A profile that cannot be read or fitted is an error, not a silent fallback:
+    admission decisions would otherwise rest on the wrong hardware's numbers."""
+    path = settings.conductor.cost_profile
+    if path is None:
+        return reference_costs(HARDWARE[settings.conductor.reference_hardware])
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a profile is a JSON object")
+    return costs_from_profile(doc, settings)

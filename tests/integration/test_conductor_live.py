@@ -1,0 +1,391 @@
+"""The live Conductor against a real NATS, with fake instances: the test publishes their load
+reports and KV index events itself and plays their work consumers (no engine, no store).
+
+Covers: admission to the instance that holds the prompt's prefix with a PrefillWork on its
+subject; rejection under `early` and `predicted` when instances are overloaded; start-up
+retries and `no_instance`; re-dispatch of a dead instance's unacked work and the one
+RequestFailed after `max_attempts`; exactly one RequestCancelled for a cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from mooncake import events as ev
+from mooncake.bus import terminal
+from mooncake.bus.connection import ensure_streams
+from mooncake.bus.consume import PullConsumer
+from mooncake.bus.publish import Publisher
+from mooncake.config import BusSettings, ConductorSettings, EngineSettings, Settings
+from mooncake.hashing import block_keys
+from mooncake.serving.conductor_reaper import Role, work_consumer
+from mooncake.store import protocol as sp
+from mooncake.work import LoadReport, PrefillWork, TokenChunk, WorkSubjects
+from workers import conductor as conductor_worker
+from workers.runtime import WorkerContext
+
+BT = 16  # block tokens: small prompts, several whole blocks
+
+
+def live_settings(nats_url: str, namespace: str, **over: Any) -> Settings:
+    conductor = ConductorSettings(
+        load_report_interval_s=0.1,
+        liveness_timeout_s=0.8,
+        max_attempts=2,
+        no_instance_wait_s=1.0,
+        **over.pop("conductor", {}),
+    )
+    return Settings(
+        nats_url=nats_url,
+        namespace=namespace,
+        block_tokens=BT,
+        engine=EngineSettings(model="dummy"),
+        bus=BusSettings(ack_wait_s=1.0),
+        conductor=conductor,
+        **over,
+    )
+
+
+@dataclass
+class Fake:
+    role: str
+    node: str
+    running: int = 0
+    context_tokens: int = 0
+
+
+@dataclass
+class Cluster:
+    """The test's side of the bus: fake instances, their KV, the events it heard."""
+
+    nc: NATS
+    js: JetStreamContext
+    settings: Settings
+    instances: dict[str, Fake] = field(default_factory=dict)
+    kv: dict[str, list[str]] = field(default_factory=dict)  # node -> keys (seq 1)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    replies: dict[str, list[bytes]] = field(default_factory=dict)
+    seq: int = 0
+
+    @property
+    def ns(self) -> ev.Namespace:
+        return ev.Namespace(self.settings.namespace)
+
+    async def tick(self) -> None:
+        self.seq += 1
+        subjects = WorkSubjects(self.ns)
+        for iid, f in list(self.instances.items()):
+            r = LoadReport(
+                instance=iid, role=f.role, node=f.node, seq=self.seq, at=time.time(),
+                running=f.running, context_tokens=f.context_tokens,
+            )  # fmt: skip
+            await self.nc.publish(subjects.load(iid), r.to_json())
+        for node, keys in self.kv.items():
+            batch = sp.KvEvents(node_id=node, seq=1, stored=keys)  # re-sent: a duplicate
+            await self.nc.publish(
+                sp.Subjects(self.ns).kv_events(node), batch.model_dump_json().encode()
+            )
+
+    def of(self, type_: str, rid: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == type_ and e.get("request_id") == rid]
+
+    async def outcome(self, rid: str, wait_s: float = 10.0) -> dict[str, Any]:
+        async def found() -> dict[str, Any] | None:
+            for t in ("request.admitted", "request.rejected"):
+                if got := self.of(t, rid):
+                    return got[0]
+            return None
+
+        got: dict[str, Any] = await until(found, wait_s, f"an admission outcome for {rid}")
+        return got
+
+    async def submit(self, rid: str, **kw: Any) -> ev.RequestSubmitted:
+        req = ev.RequestSubmitted(request_id=rid, reply_to=f"{self.ns.prefix}.reply.{rid}", **kw)
+        self.replies[rid] = []
+        await self.nc.subscribe(req.reply_to or "", cb=self._reply(rid))
+        await Publisher(self.nc, self.js, self.ns).publish(req)
+        return req
+
+    def _reply(self, rid: str) -> Callable[[Msg], Awaitable[None]]:
+        async def cb(msg: Msg) -> None:
+            self.replies[rid].append(msg.data)
+
+        return cb
+
+    async def bind_work(self, role: Role, instance: str) -> JetStreamContext.PullSubscription:
+        """The work consumer a real worker would make for itself at start."""
+        bus = self.settings.bus
+        pc = PullConsumer(self.nc, self.js, work_consumer(role, instance), bus, self.ns, batch=1)
+        await pc.ensure()
+        spec = pc.spec
+        return await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+
+
+async def until(
+    probe: Callable[[], Awaitable[Any]], wait_s: float, what: str, every: float = 0.05
+) -> Any:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if (got := await probe()) is not None and got is not False:
+            return got
+        await asyncio.sleep(every)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@asynccontextmanager
+async def live(s: Settings) -> AsyncIterator[tuple[Cluster, conductor_worker.Conductor]]:
+    """A Conductor in this process (the worker's own start/serve) and the test's cluster."""
+    nc = await nats.connect(s.nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js, s)
+    ns = ev.Namespace(s.namespace)
+    cluster = Cluster(nc, js, s)
+
+    async def heard(msg: Msg) -> None:
+        cluster.events.append(json.loads(msg.data))
+
+    await nc.subscribe(ns.subject("mc.req.>"), cb=heard)
+    publisher = Publisher(nc, js, ns)
+    ctx = WorkerContext(s, "conductor", "c0", nc, js, publisher, ns, asyncio.Event(), None)
+    conductor = await conductor_worker.start_conductor(ctx)
+    served = asyncio.create_task(conductor_worker.serve(ctx, conductor))
+
+    async def beat() -> None:
+        while True:
+            await cluster.tick()  # a failure here fails the test (awaited below)
+            await asyncio.sleep(s.conductor.load_report_interval_s)
+
+    beating = asyncio.create_task(beat())
+    try:
+        yield cluster, conductor
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
+        ctx.stop.set()
+        await asyncio.wait_for(served, 15)
+        await nc.drain()
+
+
+async def known(conductor: conductor_worker.Conductor, *instances: str) -> None:
+    view = conductor.view
+
+    async def probe() -> bool:
+        return all(i in view.prefill or i in view.decode for i in instances)
+
+    await until(probe, 5, f"the Conductor to know {instances}")
+
+
+def tokens(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + salt) % 1000 + 1 for i in range(n)]
+
+
+def keys_of(s: Settings, toks: list[int]) -> list[str]:
+    return block_keys(toks, s.block_tokens, seed=s.hash_seed, salt=s.model_id)
+
+
+async def test_admits_to_the_prefix_holder_and_dispatches_its_work(
+    nats_url: str, namespace: str
+) -> None:
+    s = live_settings(nats_url, namespace)
+    toks = tokens(4 * BT + 6)
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "p2": Fake("prefill", "n2")}
+        cl.instances["d1"] = Fake("decode", "n3")
+        cl.kv["n2"] = keys_of(s, toks)
+        await known(conductor, "p1", "p2", "d1")
+        await until(lambda: _held(conductor, "n2", cl.kv["n2"]), 5, "n2's blocks in the index")
+        p2_work = await cl.bind_work("prefill", "p2")
+
+        req = await cl.submit("r-prefix", token_ids=toks, deadline_s=60.0)
+        out = await cl.outcome("r-prefix")
+        assert out["type"] == "request.admitted", out
+        assert (out["prefill_instance"], out["decode_instance"]) == ("p2", "d1")
+        assert out["prompt_tokens"] == len(toks) and out["cached_prefix_tokens"] == 4 * BT
+        assert out["predicted_ttft_s"] > 0 and out["predicted_tbt_s"] > 0
+        inputs = out["inputs"]
+        assert inputs["local_prefix_blocks"] == 4 and {c[0] for c in inputs["candidates"]} == {
+            "p1",
+            "p2",
+        }
+        [msg] = await p2_work.fetch(1, timeout=5)
+        work = PrefillWork.model_validate_json(msg.data)
+        assert (work.attempt, work.cached_blocks, work.local_blocks) == (1, 4, 4)
+        assert work.token_ids == toks and work.decode_instance == "d1"
+        assert work.timing.submitted_at == pytest.approx(req.occurred_at.timestamp())
+        assert work.timing.deadline_at == pytest.approx(work.timing.submitted_at + 60.0)
+        assert msg.headers and msg.headers["Nats-Msg-Id"] == ev.derived_event_id(
+            req.event_id, "prefill-work-1"
+        )
+        await msg.ack()
+        # The decision reached the client too.
+        assert json.loads(cl.replies["r-prefix"][0])["type"] == "request.admitted"
+
+        # A text prompt with the dummy model (no tokenizer): invalid, with a clear detail.
+        await cl.submit("r-text", prompt="hello")
+        bad = await cl.outcome("r-text")
+        assert (bad["type"], bad["reason"]) == ("request.rejected", "invalid_request")
+        assert "token_ids" in bad["detail"]
+
+
+async def _held(conductor: conductor_worker.Conductor, node: str, keys: list[str]) -> bool:
+    return conductor.view.blocks.match(keys).local_blocks(node) == len(keys)
+
+
+async def test_early_rejects_on_an_overloaded_decode_instance(
+    nats_url: str, namespace: str
+) -> None:
+    # Reference cost model (LLaMA3-70B on 8xA800): 5 M tokens of context put a decode step
+    # near 0.19 s, over the 0.1 s TBT limit.
+    s = live_settings(nats_url, namespace, admission_policy="early")
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1")}
+        cl.instances["d1"] = Fake("decode", "n2", running=40, context_tokens=5_000_000)
+        await known(conductor, "p1", "d1")
+        await until(lambda: _batch(conductor, "d1", 40), 5, "d1's reported batch")
+        await cl.submit("r-over", token_ids=tokens(40))
+        out = await cl.outcome("r-over")
+        assert (out["type"], out["reason"], out["policy"]) == (
+            "request.rejected",
+            "tbt_slo",
+            "early",
+        )
+        assert out["predicted_tbt_s"] > 0.1 and out["inputs"]["decode_load"] > 1.0
+
+
+async def _batch(conductor: conductor_worker.Conductor, iid: str, n: int) -> bool:
+    d = conductor.view.decode.get(iid)
+    return d is not None and d.batch == n
+
+
+def write_profile(path: Path) -> Path:
+    """A profiled engine where a prefill costs 20 ms per token and a decode step 40 ms per
+    sequence in the batch: the third concurrent request breaks a 100 ms TBT."""
+    prefill = [
+        {"prompt_tokens": n, "cached_tokens": 0, "seconds": 0.02 * n} for n in (8, 16, 32, 64)
+    ]
+    decode = [
+        {"batch": b, "context_tokens": c, "seconds": 0.04 * b}
+        for b in (1, 2, 4, 8)
+        for c in (0, 1000, 5000)
+    ]
+    path.write_text(
+        json.dumps({"schema": "mooncake.profile/1", "prefill": prefill, "decode": decode})
+    )
+    return path
+
+
+async def test_predicted_rejects_when_decode_will_be_overloaded(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    profile = write_profile(tmp_path / "profile.json")
+    s = live_settings(
+        nats_url, namespace, admission_policy="predicted", conductor={"cost_profile": profile}
+    )
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        got = []
+        for i in range(3):
+            await cl.submit(f"r-pred-{i}", token_ids=tokens(20, salt=i))
+            got.append(await cl.outcome(f"r-pred-{i}"))
+        assert [o["type"] for o in got] == ["request.admitted"] * 2 + ["request.rejected"]
+        assert got[2]["reason"] == "decode_overloaded" and got[2]["policy"] == "predicted"
+        # Judged at the time its prefill would finish: behind the two queued prefills.
+        assert got[2]["predicted_ttft_s"] == pytest.approx(1.2, rel=0.05)
+        assert got[2]["inputs"]["extra"]["tbt_at:d1"] == pytest.approx(0.12, rel=0.05)
+
+
+async def test_no_instance_retries_then_rejects_and_a_late_instance_admits(
+    nats_url: str, namespace: str
+) -> None:
+    s = live_settings(nats_url, namespace)
+    async with live(s) as (cl, _conductor):
+        started = time.monotonic()
+        await cl.submit("r-none", token_ids=tokens(20))
+        out = await cl.outcome("r-none")
+        assert (out["type"], out["reason"]) == ("request.rejected", "no_instance")
+        assert time.monotonic() - started >= 0.8  # it waited for instances first
+
+        await cl.submit("r-late", token_ids=tokens(20))
+        await asyncio.sleep(0.2)
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        late = await cl.outcome("r-late")
+        assert late["type"] == "request.admitted" and late["prefill_instance"] == "p1"
+
+
+async def test_dead_prefill_work_is_redispatched_then_fails_once(
+    nats_url: str, namespace: str
+) -> None:
+    s = live_settings(nats_url, namespace)  # max_attempts=2
+    toks = tokens(3 * BT)
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "p2": Fake("prefill", "n2")}
+        cl.instances["d1"] = Fake("decode", "n3")
+        cl.kv["n1"] = keys_of(s, toks)
+        await known(conductor, "p1", "p2", "d1")
+        await until(lambda: _held(conductor, "n1", cl.kv["n1"]), 5, "n1's blocks in the index")
+        p1_work, p2_work = await cl.bind_work("prefill", "p1"), await cl.bind_work("prefill", "p2")
+
+        await cl.submit("r-dead", token_ids=toks)
+        assert (await cl.outcome("r-dead"))["prefill_instance"] == "p1"
+        [held] = await p1_work.fetch(1, timeout=5)  # p1 takes it ... and dies holding it
+        assert PrefillWork.model_validate_json(held.data).attempt == 1
+        await p1_work.unsubscribe()
+        del cl.instances["p1"]
+
+        [again] = await p2_work.fetch(1, timeout=15)
+        work = PrefillWork.model_validate_json(again.data)
+        assert (work.attempt, work.prefill_instance, work.decode_instance) == (2, "p2", "d1")
+        await p2_work.unsubscribe()
+        del cl.instances["p2"]  # p2 dies holding it too: max_attempts (2) is spent
+
+        failed = await until(
+            lambda: _some(cl.of("request.failed", "r-dead")), 15, "the request to fail"
+        )
+        await asyncio.sleep(1.5)  # nothing more comes
+        assert len(cl.of("request.failed", "r-dead")) == 1
+        assert (failed[0]["reason"], failed[0]["stage"]) == ("retries_exhausted", "prefill")
+        chunks = [json.loads(b) for b in cl.replies["r-dead"][1:]]
+        final = TokenChunk.model_validate(chunks[-1])
+        assert final.done and final.finish_reason == "failed"
+        assert await terminal.ended(conductor.ender.kv, "r-dead") == "failed"
+
+
+async def _some(items: list[Any]) -> list[Any] | None:
+    return items or None
+
+
+async def test_cancel_ends_a_request_exactly_once(nats_url: str, namespace: str) -> None:
+    s = live_settings(nats_url, namespace)
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        await cl.submit("r-cancel", token_ids=tokens(20))
+        assert (await cl.outcome("r-cancel"))["type"] == "request.admitted"
+        pub = Publisher(cl.nc, cl.js, cl.ns)
+        for _ in range(2):  # a second cancel (another event) changes nothing
+            await pub.publish(ev.CancelRequested(request_id="r-cancel", reason="client"))
+        got = await until(
+            lambda: _some(cl.of("request.cancelled", "r-cancel")), 10, "the cancellation"
+        )
+        await asyncio.sleep(1.0)
+        assert len(cl.of("request.cancelled", "r-cancel")) == 1
+        assert got[0]["stage"] == "prefill"
+        final = TokenChunk.model_validate_json(cl.replies["r-cancel"][-1])
+        assert final.done and final.finish_reason == "cancelled"
+        assert "r-cancel" not in conductor.view.inflight

@@ -1,0 +1,109 @@
+"""Load reports -> ClusterView facts, liveness, lifecycle events -> facts, cancel stages."""
+
+from __future__ import annotations
+
+from mooncake import events as ev
+from mooncake.core import cluster as cl
+from mooncake.serving.conductor_feed import Liveness, lifecycle_fact
+from mooncake.serving.conductor_terminal import Known, KnownRequests, cancel_stage
+from mooncake.work import LoadReport
+
+
+def report(iid: str, role: str, node: str, seq: int = 1, **kw: int) -> LoadReport:
+    return LoadReport(instance=iid, role=role, node=node, seq=seq, at=0.0, **kw)
+
+
+def test_first_report_joins_later_ones_only_refresh() -> None:
+    live = Liveness(timeout_s=2.0)
+    assert live.report(report("p1", "prefill", "n1"), 0.0) == [
+        cl.InstanceJoined("p1", "prefill", "n1", None)
+    ]
+    assert live.report(report("p1", "prefill", "n1", seq=2), 0.5) == []
+    assert live.alive("prefill") == ["p1"] and live.alive("decode") == []
+
+
+def test_decode_reports_correct_the_batch() -> None:
+    live = Liveness(timeout_s=2.0)
+    first = live.report(
+        report("d1", "decode", "n2", running=3, context_tokens=900, kv_capacity_tokens=4096), 0.0
+    )
+    assert first == [
+        cl.InstanceJoined("d1", "decode", "n2", 4096),
+        cl.DecodeLoadReported("d1", 3, 900),
+    ]
+    assert live.report(report("d1", "decode", "n2", 2, running=1), 1.0) == [
+        cl.DecodeLoadReported("d1", 1, 0)
+    ]
+
+
+def test_silence_past_the_timeout_is_death_and_the_node_goes_with_the_last_instance() -> None:
+    live = Liveness(timeout_s=2.0)
+    live.report(report("p1", "prefill", "n1"), 0.0)
+    live.report(report("d1", "decode", "n1"), 0.0)  # same node
+    live.report(report("p2", "prefill", "n2"), 0.0)
+    assert live.expire(2.0) == []  # exactly the timeout: still alive
+    live.report(report("d1", "decode", "n1", 2), 1.5)
+    dead = live.expire(2.5)
+    assert [(m.instance, f) for m, f in dead] == [
+        ("p1", [cl.InstanceLeft("p1")]),  # d1 still lives on n1: its blocks stay
+        ("p2", [cl.InstanceLeft("p2"), cl.NodeLost("n2")]),
+    ]
+    [(m, facts)] = live.expire(10.0)
+    assert m.instance == "d1" and facts == [cl.InstanceLeft("d1"), cl.NodeLost("n1")]
+    assert live.members == {}
+    # A dead instance that reports again joins again.
+    assert live.report(report("p1", "prefill", "n1", 9), 11.0) == [
+        cl.InstanceJoined("p1", "prefill", "n1", None)
+    ]
+
+
+def test_an_id_back_with_another_role_leaves_then_joins() -> None:
+    live = Liveness(timeout_s=2.0)
+    live.report(report("x", "prefill", "n1"), 0.0)
+    facts = live.report(report("x", "decode", "n1"), 1.0)
+    assert facts[:3] == [
+        cl.InstanceLeft("x"),
+        cl.NodeLost("n1"),
+        cl.InstanceJoined("x", "decode", "n1", None),
+    ]
+
+
+def test_lifecycle_events_become_facts() -> None:
+    rid = "r1"
+    cases = [
+        (ev.PrefillStarted(request_id=rid, instance="p1"), cl.PrefillStarted(rid)),
+        (
+            ev.RequestPrefilled(request_id=rid, instance="p1", prompt_tokens=3),
+            cl.PrefillFinished(rid),
+        ),
+        (ev.DecodeStarted(request_id=rid, instance="d1"), cl.DecodeStarted(rid)),
+        (ev.RequestCompleted(request_id=rid, output_tokens=4), cl.DecodeFinished(rid)),
+        (ev.RequestFailed(request_id=rid, reason="x"), cl.RequestDropped(rid)),
+        (ev.RequestCancelled(request_id=rid), cl.RequestDropped(rid)),
+        (
+            ev.RequestRejected(request_id=rid, reason=ev.RejectReason.DECODE_OVERLOADED),
+            cl.RequestDropped(rid),
+        ),
+        (ev.RequestSubmitted(request_id=rid, token_ids=[1]), None),
+    ]
+    for event, fact in cases:
+        assert lifecycle_fact(event) == fact, event.type
+
+
+def test_cancel_stage_follows_the_view() -> None:
+    view = cl.ClusterView()
+    view.apply(cl.InstanceJoined("p1", "prefill"), 0.0)
+    view.apply(cl.InstanceJoined("d1", "decode"), 0.0)
+    view.apply(cl.Assigned("r1", "p1", "d1", 100, 0.5, 0.5), 0.0)
+    assert cancel_stage(view, "r1", True) == "prefill"
+    view.apply(cl.PrefillFinished("r1"), 1.0)
+    assert cancel_stage(view, "r1", True) == "decode"
+    assert cancel_stage(view, "gone", True) == "unknown"
+    assert cancel_stage(view, "never-seen", False) == "admission"
+
+
+def test_known_requests_are_bounded() -> None:
+    known = KnownRequests(capacity=2)
+    for i in range(3):
+        known.add(f"r{i}", Known(f"inbox.{i}", f"e{i}"))
+    assert len(known) == 2 and known.get("r0") is None and known.get("r2") == Known("inbox.2", "e2")

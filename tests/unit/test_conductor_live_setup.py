@@ -1,0 +1,146 @@
+"""Settings -> the core's Conductor config and cost model; the dispatch's pure pieces."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from mooncake import events as ev
+from mooncake.config import ConductorSettings, EngineSettings, Settings
+from mooncake.core import conductor as cd
+from mooncake.core.cost_model import AnalyticCostModel, FittedCostModel
+from mooncake.serving import conductor_dispatch as dispatch
+from mooncake.serving.conductor_setup import build_costs, conductor_config, kv_bytes_per_token
+
+
+def test_settings_map_onto_the_core_config() -> None:
+    s = Settings(
+        block_tokens=64,
+        slo={"ttft_s": 5.0, "tbt_s": 0.2},
+        conductor=ConductorSettings(balancing_threshold=3.0, uniform_decode_s=4.0),
+    )
+    assert conductor_config(s) == cd.ConductorConfig(
+        block_tokens=64,
+        balancing_threshold=3.0,
+        pool_fetch=True,
+        ttft_slo_s=5.0,
+        tbt_slo_s=0.2,
+        uniform_decode_s=4.0,
+    )
+
+
+def test_policies_and_knobs_are_validated() -> None:
+    assert Settings().admission_policy == "none"
+    for p in ("none", "baseline", "early", "predicted"):
+        assert Settings(admission_policy=p).admission_policy == p
+    with pytest.raises(ValidationError):
+        Settings(admission_policy="random")
+    with pytest.raises(ValidationError):
+        ConductorSettings(balancing_threshold=0.5)
+    with pytest.raises(ValidationError):
+        ConductorSettings(max_attempts=0)
+
+
+def test_env_reaches_the_conductor_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_CONDUCTOR__MAX_ATTEMPTS", "7")
+    monkeypatch.setenv("MOONCAKE_ADMISSION_POLICY", "predicted")
+    s = Settings()
+    assert (s.conductor.max_attempts, s.admission_policy) == (7, "predicted")
+
+
+def test_costs_default_to_the_reference_hardware() -> None:
+    costs = build_costs(Settings())
+    assert isinstance(costs.prefill, AnalyticCostModel)
+    assert costs.prefill.hw.name == "8xA800"
+    h800 = build_costs(Settings(conductor=ConductorSettings(reference_hardware="8xH800")))
+    assert isinstance(h800.prefill, AnalyticCostModel) and h800.prefill.hw.name == "8xH800"
+
+
+def test_costs_from_a_profile_fit_it(tmp_path: Path) -> None:
+    doc = {
+        "schema": "mooncake.profile/1",
+        "prefill": [
+            {"prompt_tokens": n, "cached_tokens": 0, "seconds": 0.01 * n} for n in (8, 32, 128)
+        ],
+        "decode": [
+            {"batch": b, "context_tokens": c, "seconds": 0.002 * b}
+            for b in (1, 4, 16)
+            for c in (0, 500)
+        ],
+    }
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    s = Settings(
+        engine=EngineSettings(model="dummy"),
+        conductor=ConductorSettings(cost_profile=path, transfer_bytes_per_s=2e9),
+    )
+    costs = build_costs(s)
+    assert isinstance(costs.prefill, FittedCostModel)
+    assert costs.prefill.prefill_s(100, 0) == pytest.approx(1.0, rel=1e-6)
+    assert costs.decode.decode_step_s(10, 123) == pytest.approx(0.02, rel=1e-6)
+    assert costs.transfer.bandwidth_bytes_per_s == 2e9
+    assert costs.transfer.bytes_per_token == kv_bytes_per_token(s.engine)
+    path.write_text(json.dumps({**doc, "schema": "other/9"}))
+    with pytest.raises(ValueError):
+        build_costs(s)
+
+
+def test_kv_bytes_per_token_follow_the_model() -> None:
+    dummy = EngineSettings(model="dummy")
+    d = dummy.dummy
+    assert kv_bytes_per_token(dummy) == 2 * d.layers * d.kv_heads * (d.hidden // d.heads) * 4
+    assert kv_bytes_per_token(EngineSettings()) == 2 * 30 * 3 * 64 * 4
+
+
+def test_no_instance_waits_add_up_to_the_bound_within_max_deliver() -> None:
+    delays = [dispatch.no_instance_delay(n, 3.0, 5) for n in range(1, 6)]
+    assert delays[-1] is None  # the last delivery the consumer allows: reject, not dead-letter
+    waits = [d for d in delays if d is not None]
+    assert sum(waits) == pytest.approx(3.0) and waits == sorted(waits)
+    assert dispatch.no_instance_delay(1, 0.0, 5) is None
+    assert dispatch.no_instance_delay(1, 3.0, 1) is None
+
+
+def _request(**kw: object) -> ev.RequestSubmitted:
+    return ev.RequestSubmitted(
+        request_id="r1",
+        token_ids=[1, 2, 3],
+        occurred_at=datetime(2025, 1, 1, tzinfo=UTC),
+        **kw,
+    )
+
+
+def _decision(admitted: bool) -> cd.Decision:
+    return cd.Decision(
+        request_id="r1", policy="early", admitted=admitted,
+        reason=None if admitted else ev.RejectReason.TTFT_SLO, now=1.0, prompt_tokens=3,
+        prefill_instance="p1", decode_instance="d1", local_prefix_blocks=1, prefix_tokens=32,
+        predicted_ttft_s=0.5, predicted_tbt_s=0.05,
+    )  # fmt: skip
+
+
+def test_events_and_work_from_a_decision_have_derived_ids() -> None:
+    req = _request(deadline_s=30.0, reply_to="inbox.r1")
+    admitted = dispatch.admitted_event(req, _decision(True), {"k": 1})
+    assert admitted.event_id == ev.derived_event_id(req.event_id, "admitted")
+    assert (admitted.prefill_instance, admitted.cached_prefix_tokens) == ("p1", 32)
+    work = dispatch.prefill_work(req, _decision(True), [1, 2, 3], admitted.event_id, 16)
+    assert (work.cached_blocks, work.local_blocks, work.attempt) == (2, 1, 1)
+    assert work.timing.submitted_at == req.occurred_at.timestamp()
+    assert work.timing.deadline_at == work.timing.submitted_at + 30.0
+    assert work.reply_to == "inbox.r1" and work.admitted_event_id == admitted.event_id
+    rejected = dispatch.rejected_event(req, _decision(False), {})
+    assert rejected.event_id == ev.derived_event_id(req.event_id, "rejected")
+    assert (rejected.reason, rejected.stage) == (ev.RejectReason.TTFT_SLO, "admission")
+    assert dispatch.prefill_work_msg_id(req.event_id) == ev.derived_event_id(
+        req.event_id, "prefill-work-1"
+    )
+    # Re-dispatch ids follow the message replaced: two DecodeWork messages of one request
+    # (from two prefill attempts) never share the id of their re-dispatch.
+    assert dispatch.redispatch_msg_id("m1", 2) == dispatch.redispatch_msg_id("m1", 2)
+    assert dispatch.redispatch_msg_id("m1", 2) != dispatch.redispatch_msg_id("m2", 2)
+    assert dispatch.redispatch_msg_id("m1", 2) != dispatch.redispatch_msg_id("m1", 3)
