@@ -205,6 +205,41 @@ class DecodeBatch:
         done = self._accept(seq, sample(logits, params, gen))
         return done[0] if done else None
 
+    def resume(
+        self,
+        seq_id: str,
+        kv: SequenceKV,
+        prompt_tokens: list[int],
+        first_token: int,
+        params: SamplingParams,
+    ) -> Completion | None:
+        """Join the batch with a prompt's KV and its first token already chosen (by a prefill
+        instance elsewhere: disaggregation); the first token meets the same stop and
+        max_tokens rules as in `add`. Returns the completion at once if it finishes."""
+        if seq_id in self.running:
+            raise EngineError(f"sequence {seq_id!r} is already decoding")
+        if params.stop and self.engine.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer")
+        if kv.length != len(prompt_tokens):
+            raise EngineError(f"KV of {kv.length} tokens for a prompt of {len(prompt_tokens)}")
+        if not 0 <= first_token < self.engine.spec.vocab_size:
+            raise EngineError(f"unknown first token {first_token}")
+        # A sampled (temperature > 0) sequence gets a fresh generator here: it is seeded like
+        # `add`'s but has not drawn the first token, so seeded outputs can differ from `add`.
+        gen = make_generator(params, self.engine.device)
+        seq = Sequence(seq_id, kv, params, gen, len(prompt_tokens))
+        self.kv.join(seq.kv)
+        self.slots.append(seq)
+        self.running[seq_id] = seq
+        done = self._accept(seq, int(first_token))
+        return done[0] if done else None
+
+    def cancel(self, seq_id: str) -> Completion | None:
+        """Take a sequence out of the batch before it finishes (finish reason "cancelled");
+        None if it is not running."""
+        seq = self.running.get(seq_id)
+        return None if seq is None else self._finish(seq, "cancelled")
+
     def __len__(self) -> int:
         return len(self.running)
 

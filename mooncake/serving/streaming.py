@@ -1,0 +1,252 @@
+"""Streaming a request's output tokens: to its client live, and to a replayable copy.
+
+Live: every new token goes at once to the request's `reply_to` subject (core NATS) as one
+`TokenChunk(index=i, token_ids=[t], text=delta)`; the last chunk has `done` and the finish
+reason. Replayable: the same chunks, gathered per request (every `flush_s` or `flush_tokens`
+tokens), go to `mc.tokens.<digest>` on the MC_TOKENS stream as one `TokenBatch` message, so
+a client that lost its connection reads them back from any offset (`resume_tokens`).
+
+A batch keeps the per-token chunks (rather than one merged chunk) so that a reader can start
+exactly at any index, text included. Each message's `Nats-Msg-Id` is derived from the request
+id and the indexes it holds, and full batches start at multiples of `flush_tokens`, so a
+decode that is redelivered and streams the same tokens again mostly publishes the same ids
+(dropped by the stream's dedupe window); readers dedupe by index anyway.
+
+Text: `TextDeltas` turns tokens into text increments that never split a multi-byte character
+(a token that ends inside one adds "" and the next one completes it) and hold back the last
+characters that could still turn into a stop string. Index 0 comes from prefill with its whole
+text (`sent_elsewhere`); decode streams the rest, so the increments concatenate to the
+request's text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from pydantic import ValidationError
+
+from mooncake.bus.publish import MSG_ID
+from mooncake.engine.tokenizer import ChatTokenizer
+from mooncake.namespace import Namespace
+from mooncake.work import TokenChunk, Wire, WorkSubjects
+
+log = logging.getLogger("mooncake.serving.streaming")
+
+FLUSH_S = 0.05
+FLUSH_TOKENS = 16
+REPLACEMENT = "\ufffd"  # what a decoder yields for the bytes of an unfinished character
+
+
+class TokenBatch(Wire):
+    """One message on MC_TOKENS: consecutive chunks of one request."""
+
+    chunks: list[TokenChunk]
+
+
+# --- text increments --------------------------------------------------------------------------
+
+
+class TextDeltas:
+    """Text increments of a token sequence (see the module docstring).
+
+    Decoding re-reads a short window of recent tokens, not the whole output, so a step costs
+    the same at token 10 and at token 10 000.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer | None, stop: Sequence[str] = ()) -> None:
+        self._tok = tokenizer
+        self._tokens: list[int] = []
+        self._prefix = 0  # window start: tokens before it are already in `self.text`
+        self._read = 0  # tokens up to here are decoded into `self.text`
+        self.text = ""  # decoded so far (whole characters only)
+        self.emitted = 0  # characters of `text` handed out
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._cut: int | None = None  # where a stop string begins: nothing past it goes out
+
+    def push(self, token: int) -> str:
+        """The text token `token` releases (often "" for a partial character)."""
+        if self._tok is None:
+            return ""
+        self._tokens.append(token)
+        before = self._tok.decode(self._tokens[self._prefix : self._read])
+        after = self._tok.decode(self._tokens[self._prefix :])
+        if after.endswith(REPLACEMENT) or not after.startswith(before):
+            return ""  # inside a character: wait for the token that completes it
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self._tokens)
+        if self._cut is None and self._stop:
+            found = [i for st in self._stop if (i := self.text.find(st)) >= 0]
+            self._cut = min(found) if found else None
+        end = len(self.text) - self._hold if self._cut is None else self._cut
+        end = max(end, self.emitted)
+        delta, self.emitted = self.text[self.emitted : end], end
+        return delta
+
+    def sent_elsewhere(self, token: int) -> str:
+        """Take `token` as streamed already, with all of its text (what prefill does with
+        index 0: it sends `decode([token])` whole); returns that text."""
+        if self._tok is None:
+            return ""
+        self.push(token)
+        self.emitted = len(self.text)
+        return self._tok.decode([token])
+
+    def rest(self, final_text: str) -> str:
+        """At the end: what `final_text` (the request's whole text) adds to what was
+        handed out (held-back characters, or nothing when a stop string cut them)."""
+        if len(final_text) <= self.emitted or not final_text.startswith(self.text[: self.emitted]):
+            return ""
+        tail = final_text[self.emitted :]
+        self.emitted = len(final_text)
+        return tail
+
+
+# --- publishing -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    reply_to: str | None
+    subject: str
+    pending: list[TokenChunk] = field(default_factory=list)
+    since: float = 0.0  # monotonic time the oldest pending chunk was added
+
+
+def batch_msg_id(request_id: str, first: int, last: int) -> str:
+    return f"tok:{request_id}:{first}:{last}"
+
+
+class TokenStreamer:
+    """The publisher side, shared by every request of one worker.
+
+    `emit` sends a chunk to the client at once and queues its copy; `flush_due` publishes the
+    copies whose batch is full or old (call it after every decode step); `close` sends the
+    final chunk after the request's remaining copies.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        ns: Namespace,
+        *,
+        flush_s: float = FLUSH_S,
+        flush_tokens: int = FLUSH_TOKENS,
+    ) -> None:
+        self._nc, self._js = nc, js
+        self._subjects = WorkSubjects(ns)
+        self._flush_s, self._flush_tokens = flush_s, flush_tokens
+        self._streams: dict[str, _Stream] = {}
+
+    def open(self, request_id: str, reply_to: str | None) -> None:
+        self._streams[request_id] = _Stream(reply_to, self._subjects.tokens(request_id))
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    async def emit(self, chunk: TokenChunk, *, live: bool = True) -> None:
+        """Send `chunk` to the client (unless `live` is False: it was sent already, e.g.
+        index 0 by prefill) and queue its replayable copy."""
+        s = self._streams.get(chunk.request_id)
+        if s is None:
+            return
+        if live and s.reply_to:
+            await self._nc.publish(s.reply_to, chunk.to_json())
+        if not s.pending:
+            s.since = time.monotonic()
+        s.pending.append(chunk)
+        last = chunk.index + len(chunk.token_ids)
+        if last % self._flush_tokens == 0:  # aligned: a redelivery cuts the same batch
+            await self._publish(chunk.request_id, s)
+
+    async def flush_due(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        due = [
+            (rid, s)
+            for rid, s in self._streams.items()
+            if s.pending and now - s.since >= self._flush_s
+        ]
+        if due:
+            await asyncio.gather(*(self._publish(rid, s) for rid, s in due))
+
+    async def close(self, final: TokenChunk | None) -> None:
+        """End a request's stream: its queued copies, then `final` (if any) on both."""
+        s = self._streams.pop(final.request_id if final else "", None)
+        if s is None or final is None:
+            return
+        if s.reply_to:
+            await self._nc.publish(s.reply_to, final.to_json())
+        s.pending.append(final)
+        await self._publish(final.request_id, s)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request without a final chunk (another instance ended it)."""
+        self._streams.pop(request_id, None)
+
+    async def _publish(self, request_id: str, s: _Stream) -> None:
+        chunks, s.pending = s.pending, []
+        if not chunks:
+            return
+        first, last = chunks[0].index, chunks[-1].index
+        if chunks[-1].done:
+            msg_id = f"tok:{request_id}:done"
+        else:
+            msg_id = batch_msg_id(request_id, first, last)
+        payload = TokenBatch(chunks=chunks).to_json()
+        try:
+            await self._js.publish(s.subject, payload, headers={MSG_ID: msg_id}, timeout=5.0)
+        except Exception as exc:  # the copy is best effort: the live stream went out
+            log.warning("token copy of %s [%d..%d] not stored: %s", request_id, first, last, exc)
+
+
+# --- reading back -----------------------------------------------------------------------------
+
+
+async def resume_tokens(
+    js: JetStreamContext,
+    ns: Namespace,
+    request_id: str,
+    from_index: int = 0,
+    *,
+    idle_timeout_s: float = 30.0,
+) -> AsyncIterator[TokenChunk]:
+    """The request's chunks from index `from_index` on, in order and each index once, as they
+    are stored and then as they arrive, until the final (`done`) chunk, or until nothing has
+    arrived for `idle_timeout_s` (the request is not running anywhere)."""
+    subject = WorkSubjects(ns).tokens(request_id)
+    # An ordered consumer: ephemeral, no acks, recreated by the client across a reconnect.
+    sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    following = from_index
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=idle_timeout_s)
+            except TimeoutError:
+                return
+            try:
+                batch = TokenBatch.model_validate_json(msg.data)
+            except ValidationError:
+                log.warning("unreadable token batch on %s", subject)
+                continue
+            for chunk in batch.chunks:
+                if chunk.request_id != request_id:
+                    continue
+                if chunk.done:
+                    yield chunk
+                    return
+                if chunk.index < following:
+                    continue  # a copy from a redelivered decode, or before the offset
+                following = chunk.index + max(len(chunk.token_ids), 1)
+                yield chunk
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
