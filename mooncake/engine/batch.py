@@ -258,8 +258,12 @@ class DecodeBatch:
         finished: list[Completion] = []
         for s in seqs:  # every length first: a leaving sequence moves another's slot
             s.kv.length += 1
+        # Greedy rows (the common case) take their token from one argmax over the batch.
+        greedy = [s.params.temperature == 0 or s.generator is None for s in seqs]
+        top = logits.argmax(-1).tolist() if any(greedy) else []
         for i, s in enumerate(seqs):
-            finished += self._accept(s, sample(logits[i], s.params, s.generator))
+            token = top[i] if greedy[i] else sample(logits[i], s.params, s.generator)
+            finished += self._accept(s, token)
         return finished
 
     def _accept(self, seq: Sequence, token: int) -> list[Completion]:

@@ -1,0 +1,84 @@
+"""GEMMs of PACK_MIN_ROWS or more rows (decode batches, prefill) run over oneDNN-packed copies
+of the weights: same results as F.linear, and the copies follow every weight update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mooncake.engine import DecodeBatch, Engine, ModelSpec, SamplingParams, dummy_model
+from mooncake.engine.model import _ONEDNN, PACK_MIN_ROWS, SMALL_ROWS, PackedWeight, linear
+
+SPEC = ModelSpec(vocab_size=50, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, context=300)
+
+pytestmark = pytest.mark.skipif(not _ONEDNN, reason="torch built without oneDNN")
+
+
+def test_packed_linear_matches_f_linear() -> None:
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(40, 300, bias=False)
+    packed = PackedWeight(layer)
+    with torch.no_grad():
+        w = layer.weight
+        for shape in (
+            (1, 40),
+            (2, 40),
+            (PACK_MIN_ROWS, 40),
+            (8, 1, 40),
+            (SMALL_ROWS, 40),
+            (1, 70, 40),
+        ):
+            x = torch.randn(shape, generator=g)
+            assert torch.allclose(linear(x, w, packed), F.linear(x, w), atol=1e-5), shape
+        assert packed.packed is not None  # the few-row shapes above used it
+        built = packed.packed
+        linear(torch.randn(8, 40, generator=g), w, packed)
+        assert packed.packed is built  # reused while the weight is unchanged
+
+
+def test_packed_weight_follows_in_place_updates_and_replacement() -> None:
+    g = torch.Generator().manual_seed(1)
+    layer = nn.Linear(40, 64, bias=False)
+    packed = PackedWeight(layer)
+    x = torch.randn(8, 40, generator=g)
+    with torch.no_grad():
+        linear(x, layer.weight, packed)
+        layer.weight.mul_(-2.0)  # in place: same tensor, new version
+        assert torch.allclose(linear(x, layer.weight, packed), F.linear(x, layer.weight), atol=1e-5)
+        layer.weight = nn.Parameter(torch.randn(64, 40, generator=g))  # another tensor
+        assert torch.allclose(linear(x, layer.weight, packed), F.linear(x, layer.weight), atol=1e-5)
+
+
+def test_packed_path_is_skipped_when_autograd_records() -> None:
+    layer = nn.Linear(40, 64, bias=False)
+    packed = PackedWeight(layer)
+    out = linear(torch.randn(8, 40), layer.weight, packed)
+    assert out.requires_grad and packed.packed is None
+
+
+def _decode(engine: Engine, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list]:
+    batch = DecodeBatch(engine)
+    params = SamplingParams(max_tokens=steps + 2, stop_on_eos=False)
+    for i, p in enumerate(prompts):
+        batch.add(str(i), engine.prefill(p), params)
+    for _ in range(steps):
+        batch.step()
+    return [s.output for s in batch.slots], [
+        s.kv.layers[0][:, :, : s.kv.length] for s in batch.slots
+    ]
+
+
+def test_batch_decode_follows_load_state_dict() -> None:
+    """Fused q/k/v and gate/up weights are views the packed copies must see updated too."""
+    a, b = dummy_model(SPEC, seed=1, std=0.3), dummy_model(SPEC, seed=2, std=0.3)
+    g = torch.Generator().manual_seed(3)
+    prompts = [[int(t) for t in torch.randint(0, 50, (n,), generator=g)] for n in (5, 9, 14, 20)]
+    before, _ = _decode(Engine(a), prompts, 6)  # builds a's packed weights
+    a.load_state_dict(b.state_dict())
+    tokens_a, kv_a = _decode(Engine(a), prompts, 6)
+    tokens_b, kv_b = _decode(Engine(b), prompts, 6)
+    assert tokens_a == tokens_b and tokens_a != before
+    for x, y in zip(kv_a, kv_b, strict=True):
+        assert torch.equal(x, y)
