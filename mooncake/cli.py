@@ -135,6 +135,8 @@ def worker(
         from workers import store_master as mod  # type: ignore[no-redef]
     elif role == "store-node":
         from workers import store_node as mod  # type: ignore[no-redef]
+    elif role == "prefill":
+        from workers import prefill as mod  # type: ignore[no-redef]
     elif role == "decode":
         from workers import decode as mod  # type: ignore[no-redef]
     else:

@@ -1,0 +1,424 @@
+"""The prefill worker: one instance of the prefill pool (PAPER.md §3, steps 1-3).
+
+Takes `PrefillWork` from `mc.prefill.<instance>` (stream MC_WORK, durable consumer
+`prefill-<instance>`), one request at a time in arrival order, and for each:
+
+1. skips it if the request already ended (terminal bucket) or its deadline passed (then ends
+   it as `cancelled`, reason `deadline`);
+2. publishes `PrefillStarted`;
+3. loads the cached prefix blocks from the store layer by layer, computes the rest with the
+   engine and writes every new block (and the partial tail) to the store layer by layer while
+   computing (`mooncake.serving.kvstore`), sending `in_progress` while it runs;
+4. samples the first token and sends it to the request's `reply_to` at once (TTFT);
+5. publishes `RequestPrefilled` and the `DecodeWork` for the chosen decode instance, then acks.
+
+Every event and work message it emits has an id derived from the admission event and the
+attempt, so a redelivered work item re-emits the same ids (deduplicated downstream).
+
+Bad input (EngineError) fails the request; store or broker trouble retries the work with
+backoff until `bus.max_deliver`, then fails it (`retries_exhausted`). A `CancelRequested` for
+the request being prefilled (or its deadline) stops it at the next layer boundary and revokes
+its pending puts; the Conductor publishes the cancellation, this worker only stops.
+
+It also embeds its own store node (its DRAM is this instance's local prefix cache) and
+publishes a `LoadReport` on `mc.load.<instance>` every 0.25 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+from pydantic import ValidationError
+
+from mooncake import events as ev
+from mooncake.bus import terminal
+from mooncake.bus.consume import (
+    ACK,
+    ConsumerSpec,
+    DeadLetter,
+    Delivery,
+    Outcome,
+    PullConsumer,
+    Retry,
+    keep_alive,
+    per_message,
+)
+from mooncake.bus.publish import MSG_ID
+from mooncake.config import Settings
+from mooncake.engine import Engine, EngineError
+from mooncake.engine import SamplingParams as EngineSampling
+from mooncake.engine.sampling import make_generator, sample
+from mooncake.serving.kvstore import (
+    PrefillCancelled,
+    StoredPrefill,
+    prefill_with_store,
+    replicate_blocks,
+)
+from mooncake.serving.local_store import LocalStore, local_store
+from mooncake.serving.models import build_engine
+from mooncake.telemetry import inject_headers, tracer
+from mooncake.work import DecodeWork, LoadReport, PrefillWork, TokenChunk, WorkSubjects, tail_key
+from workers.runtime import WorkerContext, configure_logging, worker_context
+
+log = logging.getLogger("mooncake.prefill")
+
+ROLE = "prefill"
+LOAD_INTERVAL_S = 0.25
+QUEUE_POLL_S = 1.0  # how often the consumer's pending count is asked for (a JetStream call)
+DONE_MEMORY = 4096  # (request, attempt) pairs finished here: a redelivery of one is just acked
+
+
+def consumer_spec(instance: str) -> ConsumerSpec:
+    return ConsumerSpec("MC_WORK", f"{ROLE}-{instance}", f"mc.prefill.{instance}")
+
+
+def engine_params(p: ev.SamplingParams) -> EngineSampling:
+    """The request's sampling parameters as the engine takes them."""
+    return EngineSampling(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+    )
+
+
+def first_token(engine: Engine, done: StoredPrefill, params: ev.SamplingParams) -> int:
+    """The request's first output token, sampled from the prefill's last-position logits
+    exactly as the engine's own batch does it (a fresh generator seeded from the params)."""
+    logits = done.prefilled.logits
+    logits = logits if logits.dim() == 1 else logits[-1]
+    p = engine_params(params)
+    return sample(logits, p, make_generator(p, engine.device))
+
+
+def event_id(work: PrefillWork, kind: str) -> str:
+    return ev.derived_event_id(work.admitted_event_id, f"{kind}-{work.attempt}")
+
+
+@dataclass
+class Running:
+    """The request being prefilled now, and how to stop it."""
+
+    request_id: str
+    tokens: int  # prompt tokens still to compute (an estimate until the prefix is loaded)
+    stop: threading.Event
+    reason: str | None = None  # why it was stopped: "cancel" or "deadline"
+
+    def halt(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.stop.set()
+
+
+class PrefillWorker:
+    def __init__(
+        self, ctx: WorkerContext, engine: Engine, store: LocalStore, terminal_kv: KeyValue
+    ) -> None:
+        self._ctx, self.engine, self.store, self._terminal = ctx, engine, store, terminal_kv
+        self.subjects = WorkSubjects(ctx.ns)
+        self.consumer = PullConsumer(
+            ctx.nc, ctx.js, consumer_spec(ctx.instance_id), ctx.settings.bus, ctx.ns, batch=1
+        )
+        self.running: Running | None = None
+        self._done: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._background: set[asyncio.Task[None]] = set()
+        self._seq = 0
+        self._queued = 0
+        self.last: StoredPrefill | None = None  # the last prefill's details (tests, debugging)
+
+    # --- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        sub = await self._ctx.nc.subscribe(self.subjects.cancel(), cb=self._on_cancel)
+        reports = asyncio.create_task(self._report_load())
+        try:
+            await self.consumer.run(per_message(self.handle, "prefill"), self._ctx.stop)
+        finally:
+            reports.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.gather(reports, *self._background, return_exceptions=True)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        event = ev.parse_event(msg.data)
+        running = self.running
+        if (
+            isinstance(event, ev.CancelRequested)
+            and running is not None
+            and event.request_id == running.request_id
+        ):
+            log.info("cancel of %s: stopping its prefill", event.request_id)
+            running.halt("cancel")
+
+    # --- one work item --------------------------------------------------------------------
+
+    async def handle(self, d: Delivery) -> Outcome:
+        try:
+            work = PrefillWork.model_validate_json(d.data)
+        except ValidationError as exc:
+            return DeadLetter("invalid_work", str(exc)[:1000])
+        if (work.request_id, work.attempt) in self._done:
+            return ACK  # a redelivery of work finished here (its ack was lost or late)
+        running = Running(work.request_id, len(work.token_ids), threading.Event())
+        self.running = running  # before any await: a cancel arriving now is not missed
+        try:
+            if await terminal.ended(self._terminal, work.request_id) is not None:
+                return ACK
+            deadline = work.timing.deadline_at
+            if deadline is not None and time.time() >= deadline:
+                return await self._cancelled(work, "deadline")
+            interval = max(self._ctx.settings.bus.ack_wait_s / 3, 0.1)
+            async with keep_alive(d, interval):
+                return await self._prefill(work, d, running)
+        finally:
+            self.running = None
+
+    async def _prefill(self, work: PrefillWork, d: Delivery, running: Running) -> Outcome:
+        ctx = self._ctx
+        await ctx.publisher.publish(
+            ev.PrefillStarted(
+                event_id=event_id(work, "prefill-started"),
+                request_id=work.request_id,
+                instance=ctx.instance_id,
+                attempt=work.attempt,
+            )
+        )
+        timer = self._deadline_timer(work, running)
+        started = time.perf_counter()
+        try:
+            with tracer().start_as_current_span(
+                "prefill compute",
+                attributes={"mc.request_id": work.request_id, "mc.tokens": len(work.token_ids)},
+            ):
+                done = await prefill_with_store(
+                    self.engine,
+                    self.store.client,
+                    work.token_ids,
+                    cached_blocks=work.cached_blocks,
+                    tail_key=tail_key(work.request_id, work.attempt),
+                    preferred_segment=self.store.dram_segment,
+                    cancelled=running.stop,
+                )
+        except EngineError as exc:
+            return await self._failed(work, "invalid_prompt", str(exc))
+        except PrefillCancelled:
+            if running.reason == "deadline":
+                return await self._cancelled(work, "deadline")
+            log.info("prefill of %s stopped (%s)", work.request_id, running.reason)
+            return ACK
+        except Exception as exc:
+            return await self._transient(work, d, exc)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        prefill_s = time.perf_counter() - started
+        self.last = done
+        try:
+            return await self._hand_over(work, done, prefill_s)
+        except Exception as exc:
+            return await self._transient(work, d, exc)
+
+    def _deadline_timer(self, work: PrefillWork, running: Running) -> asyncio.TimerHandle | None:
+        deadline = work.timing.deadline_at
+        if deadline is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.call_later(max(deadline - time.time(), 0.0), running.halt, "deadline")
+
+    async def _hand_over(self, work: PrefillWork, done: StoredPrefill, prefill_s: float) -> Outcome:
+        """First token to the client, then the facts and the decode work."""
+        ctx = self._ctx
+        token = first_token(self.engine, done, work.params)
+        first_at = time.time()
+        if work.reply_to:
+            text = self.engine.tokenizer.decode([token]) if self.engine.tokenizer else ""
+            chunk = TokenChunk(request_id=work.request_id, index=0, token_ids=[token], text=text)
+            await ctx.nc.publish(work.reply_to, chunk.to_json())
+        if await terminal.ended(self._terminal, work.request_id) is not None:
+            return ACK  # cancelled (or failed elsewhere) while it computed: nothing to hand on
+        block = self.engine.block_tokens
+        remote = max(done.loaded_blocks - min(work.local_blocks, done.loaded_blocks), 0)
+        await ctx.publisher.publish(
+            ev.RequestPrefilled(
+                event_id=event_id(work, "prefilled"),
+                request_id=work.request_id,
+                instance=ctx.instance_id,
+                prompt_tokens=len(work.token_ids),
+                cached_tokens=done.loaded_blocks * block,
+                remote_cached_tokens=remote * block,
+                kv_keys=done.block_keys,
+                first_token_id=token,
+                prefill_s=prefill_s,
+            )
+        )
+        decode = DecodeWork(
+            request_id=work.request_id,
+            attempt=work.attempt,
+            token_ids=work.token_ids,
+            first_token_id=token,
+            kv_keys=done.block_keys,
+            tail_key=done.tail_key,
+            tail_tokens=done.tail_tokens,
+            params=work.params,
+            reply_to=work.reply_to,
+            prefill_instance=work.prefill_instance,
+            decode_instance=work.decode_instance,
+            timing=work.timing,
+            first_token_at=first_at,
+            admitted_event_id=work.admitted_event_id,
+        )
+        headers = {
+            MSG_ID: ev.derived_event_id(work.admitted_event_id, f"decode-work-{work.attempt}")
+        }
+        inject_headers(headers)
+        await ctx.publisher.publish_raw(
+            self.subjects.decode(work.decode_instance), decode.to_json(), headers
+        )
+        self._remember(work)
+        if remote:
+            self._replicate(done, work.local_blocks)
+        return ACK
+
+    def _replicate(self, done: StoredPrefill, local_blocks: int) -> None:
+        """Keep copies of the blocks fetched from remote nodes (after the prefill: never on
+        its critical path)."""
+        keys = [(done.block_keys[j], j) for j in range(local_blocks, done.loaded_blocks)]
+        kv, block = done.prefilled.kv, self.engine.block_tokens
+
+        async def copy() -> None:
+            try:
+                placed = await replicate_blocks(
+                    self.store.client, kv, keys, block, self.store.dram_segment
+                )
+                log.debug("replicated %d of %d remote blocks", placed, len(keys))
+            except Exception as exc:
+                log.warning("hot-block replication failed: %s", exc)
+
+        task = asyncio.create_task(copy())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _remember(self, work: PrefillWork) -> None:
+        self._done[(work.request_id, work.attempt)] = None
+        while len(self._done) > DONE_MEMORY:
+            self._done.popitem(last=False)
+
+    # --- endings ----------------------------------------------------------------------------
+
+    async def _transient(self, work: PrefillWork, d: Delivery, exc: Exception) -> Outcome:
+        detail = f"{type(exc).__name__}: {exc}"[:1000]
+        if d.num_delivered >= self._ctx.settings.bus.max_deliver:
+            log.error("prefill of %s failed for good: %s", work.request_id, detail)
+            return await self._failed(work, "retries_exhausted", detail)
+        log.warning("prefill of %s failed (try %d): %s", work.request_id, d.num_delivered, detail)
+        return Retry(detail)
+
+    async def _failed(self, work: PrefillWork, reason: str, detail: str) -> Outcome:
+        eid = event_id(work, "prefill-failed")
+        if await terminal.claim(self._terminal, work.request_id, "failed", eid):
+            await self._ctx.publisher.publish(
+                ev.RequestFailed(
+                    event_id=eid,
+                    request_id=work.request_id,
+                    reason=reason,
+                    stage="prefill",
+                    detail=detail[:2000],
+                )
+            )
+            await self._tell_client(work, "failed", detail)
+        return ACK
+
+    async def _cancelled(self, work: PrefillWork, reason: str) -> Outcome:
+        eid = event_id(work, "prefill-cancelled")
+        if await terminal.claim(self._terminal, work.request_id, "cancelled", eid):
+            await self._ctx.publisher.publish(
+                ev.RequestCancelled(
+                    event_id=eid, request_id=work.request_id, reason=reason, stage="prefill"
+                )
+            )
+            await self._tell_client(work, "cancelled", reason)
+        return ACK
+
+    async def _tell_client(self, work: PrefillWork, finish: str, detail: str) -> None:
+        if not work.reply_to:
+            return
+        chunk = TokenChunk(
+            request_id=work.request_id,
+            index=0,
+            done=True,
+            finish_reason="failed" if finish == "failed" else "cancelled",
+            error=detail[:2000],
+        )
+        await self._ctx.nc.publish(work.reply_to, chunk.to_json())
+
+    # --- load reports -------------------------------------------------------------------------
+
+    async def _report_load(self) -> None:
+        ctx = self._ctx
+        subject = self.subjects.load(ctx.instance_id)
+        polled = 0.0
+        while True:
+            now = time.monotonic()
+            if now - polled >= QUEUE_POLL_S:
+                polled = now
+                await self._poll_queue()
+            self._seq += 1
+            running = self.running
+            report = LoadReport(
+                instance=ctx.instance_id,
+                role=ROLE,
+                node=self.store.node_id,
+                seq=self._seq,
+                at=time.time(),
+                queued=self._queued,
+                queued_tokens=running.tokens if running is not None else 0,
+                running=1 if running is not None else 0,
+            )
+            with contextlib.suppress(Exception):
+                await ctx.nc.publish(subject, report.to_json())
+            await asyncio.sleep(LOAD_INTERVAL_S)
+
+    async def _poll_queue(self) -> None:
+        """Work waiting for this instance: pending in the stream plus delivered, unacked
+        messages other than the one running."""
+        spec = self.consumer.spec
+        try:
+            info = await self._ctx.js.consumer_info(spec.stream, spec.durable, timeout=0.5)
+        except Exception:
+            return  # keep the last count
+        pending = (info.num_pending or 0) + (info.num_ack_pending or 0)
+        self._queued = max(pending - (1 if self.running is not None else 0), 0)
+
+
+async def serve(ctx: WorkerContext, engine: Engine) -> None:
+    """Run one prefill instance with this engine until `ctx.stop` is set."""
+    terminal_kv = await terminal.open_bucket(ctx.js, ctx.ns, ctx.settings.bus.replicas)
+    async with local_store(ctx.nc, ctx.settings, node_id=ctx.instance_id) as store:
+        await PrefillWorker(ctx, engine, store, terminal_kv).run()
+
+
+async def main(settings: Settings, instance_id: str | None = None) -> None:
+    engine = build_engine(settings)
+    async with worker_context(settings, ROLE, instance_id) as ctx:
+        await serve(ctx, engine)
+
+
+if __name__ == "__main__":
+    from mooncake.config import load_settings
+
+    s = load_settings()
+    configure_logging(s.log_level)
+    asyncio.run(main(s))
