@@ -79,6 +79,7 @@ class StoreNode:
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._resync_lock = asyncio.Lock()
+        self._stopping = False
         self._mounted = asyncio.Event()
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -135,9 +136,18 @@ class StoreNode:
         for s in self._subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stopping = True
+        # A cancellation can be swallowed (a `wait_for` finishing in the same turn, a loop
+        # catching it): cancel again until every task is gone, never wait forever.
+        for _ in range(10):
+            tasks = [t for t in self._tasks if not t.done()]
+            if not tasks:
+                break
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=0.5)
+        else:
+            log.warning("node %s: %d task(s) would not stop", self.config.node_id, len(tasks))
         for server in self.servers:
             with contextlib.suppress(Exception):
                 await server.stop()
@@ -191,6 +201,8 @@ class StoreNode:
                 reply = p.MountReply.model_validate_json(await self._request("mount", req))
                 break
             except Exception as e:
+                if self._stopping:
+                    return
                 log.info("mount: master not answering (%s); retrying", type(e).__name__)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -209,7 +221,7 @@ class StoreNode:
 
     async def _heartbeat_loop(self) -> None:
         req = p.HeartbeatRequest(node_id=self.config.node_id)
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.config.heartbeat_s)
             try:
                 reply = p.OkReply.model_validate_json(await self._request("heartbeat", req))

@@ -611,6 +611,8 @@ class Model:
                     assert set(c.nodes) == self.holders.get(c.key, set())
                 self.visible.discard(c.key)
                 self.holders.pop(c.key, None)
+                # A lease covers the object it was granted on: one put again later is new.
+                self.leases.pop(c.key, None)
             elif isinstance(c, ReplicaDropped):
                 if not c.node_keeps:
                     self.holders[c.key].discard(c.replica.node_id)
