@@ -59,6 +59,7 @@ from mooncake.serving.conductor_reaper import Reaper
 from mooncake.serving.conductor_setup import build_costs, conductor_config
 from mooncake.serving.conductor_terminal import Ender, Known, KnownRequests, cancel_stage
 from mooncake.serving.models import build_tokenizer
+from mooncake.telemetry import inject_headers
 from mooncake.work import WorkSubjects
 from workers.runtime import WorkerContext, configure_logging, worker_context
 
@@ -201,10 +202,10 @@ class Conductor:
         self.known.add(request.request_id, Known(request.reply_to, admitted.event_id))
         await self._ctx.publisher.publish(admitted)
         work = dispatch.prefill_work(request, decision, tokens, admitted.event_id, s.block_tokens)
+        headers = {MSG_ID: dispatch.prefill_work_msg_id(request.event_id)}
+        inject_headers(headers)  # the request's trace continues on the prefill instance
         await self._ctx.js.publish(
-            self._subjects.prefill(work.prefill_instance),
-            work.to_json(),
-            headers={MSG_ID: dispatch.prefill_work_msg_id(request.event_id)},
+            self._subjects.prefill(work.prefill_instance), work.to_json(), headers=headers
         )
         metrics.REQUESTS_ADMITTED.labels(admitted.policy).inc()
         if request.reply_to:

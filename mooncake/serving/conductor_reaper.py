@@ -44,6 +44,7 @@ from mooncake.serving.conductor_terminal import Ender, failed_event_id
 from mooncake.work import DecodeWork, PrefillWork, WorkSubjects
 
 log = logging.getLogger("mooncake.conductor.reaper")
+TRACE_HEADERS = ("traceparent", "tracestate")
 
 Role = Literal["prefill", "decode"]
 Work = PrefillWork | DecodeWork
@@ -181,7 +182,8 @@ class Reaper:
             await m.ack()
             return
         old_id = (m.headers or {}).get(MSG_ID) or "{}:{}".format(*_msg_key(m))
-        sent = await self._send(role, work, attempt, redispatch_msg_id(old_id, attempt))
+        trace = {k: v for k, v in (m.headers or {}).items() if k in TRACE_HEADERS}
+        sent = await self._send(role, work, attempt, redispatch_msg_id(old_id, attempt), trace)
         if sent is None:
             await self._no_instance(role, work, m)
             return
@@ -190,7 +192,9 @@ class Reaper:
         metrics.WORK_REDISPATCHED.labels(role).inc()
         log.info("%s work of %s re-dispatched to %s (attempt %d)", role, rid, sent, attempt)
 
-    async def _send(self, role: Role, work: Work, attempt: int, msg_id: str) -> str | None:
+    async def _send(
+        self, role: Role, work: Work, attempt: int, msg_id: str, trace: dict[str, str]
+    ) -> str | None:
         """Publish the work again to a live instance; the instance, or None if none is."""
         now = self._clock()
         if isinstance(work, PrefillWork):
@@ -230,7 +234,8 @@ class Reaper:
             new = work.model_copy(update={"attempt": attempt, "decode_instance": d.id})
             target, subject = d.id, self.subjects.decode(d.id)
             self.view.apply(cl.RequestDropped(work.request_id), now)
-        await self.js.publish(subject, new.to_json(), headers={MSG_ID: msg_id})
+        # The request's trace goes on with the re-dispatched work.
+        await self.js.publish(subject, new.to_json(), headers={MSG_ID: msg_id, **trace})
         return target
 
     async def _no_instance(self, role: Role, work: Work, m: Msg) -> None:
