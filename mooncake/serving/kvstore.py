@@ -345,7 +345,10 @@ async def prefill_with_store(
         )
     except PrefixLoadError as exc:
         log.warning("cached prefix unusable (%s): recomputing it", exc)
-        done = await _prefill_once(engine, store, tokens, 0, tail_key, preferred_segment, cancelled)
+        # -1: load nothing, compute the whole prompt.
+        done = await _prefill_once(
+            engine, store, tokens, -1, tail_key, preferred_segment, cancelled
+        )
         done.load_fallback = str(exc)
         return done
 
@@ -372,7 +375,11 @@ async def _prefill_once(
     loop = asyncio.get_running_loop()
     layout, size_t = BlockLayout.of(engine), engine.block_tokens
     keys = engine.block_keys(tokens)
-    want = min(cached_blocks, engine.usable_cached_blocks(len(tokens), len(keys)))
+    # The Conductor's `cached_blocks` was its view at admission; blocks stored since (by a
+    # request admitted just before this one) are in the pool too: look up every usable
+    # leading block (one round trip) and load the prefix actually there.
+    usable = engine.usable_cached_blocks(len(tokens), len(keys))
+    want = usable if cached_blocks >= 0 else 0
     handle, n = await _open_prefix(engine, store, keys[:want], layout)
     kv = engine.new_kv(len(tokens) + 64)
     kv.length = n * size_t  # filled layer by layer by the loader, before each layer reads it
