@@ -23,12 +23,15 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from mooncake import events as ev
 from mooncake import metrics
@@ -43,7 +46,7 @@ from mooncake.bus.consume import (
     Retry,
     per_message,
 )
-from mooncake.bus.publish import MSG_ID
+from mooncake.bus.publish import MSG_ID, bus_tracer
 from mooncake.config import Settings
 from mooncake.core import admission, ingress
 from mooncake.core import cluster as cl
@@ -59,8 +62,8 @@ from mooncake.serving.conductor_reaper import Reaper
 from mooncake.serving.conductor_setup import build_costs, conductor_config
 from mooncake.serving.conductor_terminal import Ender, Known, KnownRequests, cancel_stage
 from mooncake.serving.models import build_tokenizer
-from mooncake.telemetry import inject_headers
-from mooncake.work import WorkSubjects
+from mooncake.telemetry import extract_context, inject_headers
+from mooncake.work import PrefillWork, WorkSubjects
 from workers.runtime import WorkerContext, configure_logging, worker_context
 
 log = logging.getLogger("mooncake.conductor")
@@ -69,10 +72,42 @@ SUBMITTED = ConsumerSpec("MC_REQ", "conductor", ev.RequestSubmitted.SUBJECT)
 CANCELS = ConsumerSpec("MC_REQ", "conductor-cancel", ev.CancelRequested.SUBJECT)
 REQUEST_IDS_BUCKET = "MC_REQUEST_IDS"  # canonical; namespaced like the streams
 REQUEST_ID_TTL_S = 24 * 3600.0
+# Request ids cancelled recently, remembered here so admission need not ask the bucket.
+CANCELLED_MEMORY = 100_000
+TERMINAL_CHECK_AFTER_START_S = 5.0
 NO_TOKENIZER = (
     "a text prompt needs the model's tokenizer and the configured model (dummy) has none: "
     "send token_ids"
 )
+
+
+# What the decision step hands the publish step: a retry, an (event, stage) rejection, or
+# the admission with its prefill work.
+Plan = Retry | tuple[ev.RequestRejected, str] | tuple[ev.RequestAdmitted, PrefillWork]
+
+
+def consumer_span(name: str, d: Delivery) -> trace.Span:
+    headers = d.headers
+    return bus_tracer().start_span(
+        f"{name} {d.subject}",
+        context=extract_context(headers),
+        kind=SpanKind.CONSUMER,
+        attributes={
+            "messaging.message.id": headers.get(MSG_ID, ""),
+            "mc.num_delivered": d.num_delivered,
+        },
+    )
+
+
+async def _none() -> None:
+    return None
+
+
+def _failed(span: trace.Span, exc: BaseException) -> Outcome:
+    """Any failure of one message is a retry of that message, never a dead consumer."""
+    log.error("admit failed: %s: %s", type(exc).__name__, exc)
+    span.record_exception(exc)
+    return Retry(f"{type(exc).__name__}: {exc}"[:500])
 
 
 class Conductor:
@@ -99,6 +134,8 @@ class Conductor:
         self._subjects = WorkSubjects(ctx.ns)
         self.view = cl.ClusterView()
         self.known = KnownRequests()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._started = clock()
         self.ender = Ender(ctx.nc, ctx.publisher, terminal_kv)
         self.reaper = Reaper(
             ctx.nc, ctx.js, s, self.view, self._cfg, costs, self.ender, clock=clock
@@ -130,23 +167,11 @@ class Conductor:
             return entry.value == request.event_id.encode()
 
     async def handle(self, d: Delivery) -> Outcome:
-        parsed = ev.parse_event(
-            d.data,
-            subject=self._ctx.ns.canonical(d.subject),
-            max_bytes=self._ctx.settings.bus.max_event_bytes,
-        )
-        decision = ingress.judge(parsed, msg_id=d.headers.get(MSG_ID), now=ev.utcnow())
-        match decision:
-            case ingress.Discard(reason=reason, detail=detail):
-                metrics.REQUESTS_REJECTED.labels("ingress", "unreadable").inc()
-                return DeadLetter(reason, detail)
-            case ingress.Reject(event=rejected):
-                await self._ctx.publisher.publish(rejected)
-                metrics.REQUESTS_REJECTED.labels("ingress", rejected.reason.value).inc()
-                return ACK
-            case ingress.Accept(request=request):
-                return await self._admit(request, d)
-        raise AssertionError("unreachable")  # pragma: no cover
+        """One submission (the batch handler does the same for many at once)."""
+        judged = self._judge(d)
+        if isinstance(judged, ev.RequestSubmitted):
+            return await self._admit(judged, d)
+        return await judged
 
     def _prompt_tokens(self, request: ev.RequestSubmitted) -> list[int] | str:
         """The prompt's token ids, or why there are none (an invalid_request detail)."""
@@ -167,17 +192,37 @@ class Conductor:
         return tokens
 
     async def _admit(self, request: ev.RequestSubmitted, d: Delivery) -> Outcome:
-        if not await self._first_submission(request):
+        if not await self._fresh(request, d.num_delivered):
+            return ACK
+        plan = self._plan(request, d)
+        return await self._emit(request, plan)
+
+    async def _fresh(self, request: ev.RequestSubmitted, delivered: int = 1) -> bool:
+        """Not a duplicate submission, and not already ended (cancelled before admission).
+
+        Cancels reach this process (its `conductor-cancel` consumer), so a request cancelled
+        before its admission is known locally; the shared terminal bucket is read only where
+        that memory may be incomplete: a redelivery, or the first moments after a restart."""
+        if request.request_id in self._cancelled:
+            return False
+        check = delivered > 1 or self._clock() - self._started < TERMINAL_CHECK_AFTER_START_S
+        first, ended = await asyncio.gather(
+            self._first_submission(request),
+            terminal.ended(self._terminal, request.request_id) if check else _none(),
+        )
+        if not first:
             log.info("duplicate submission of %s ignored", request.request_id)
-            return ACK
-        if await terminal.ended(self._terminal, request.request_id) is not None:
+            return False
+        if ended is not None:
             log.info("%s ended before admission (cancelled)", request.request_id)
-            return ACK
+            return False
+        return True
+
+    def _plan(self, request: ev.RequestSubmitted, d: Delivery) -> Plan:
+        """The decision (pure, in arrival order: it updates the view)."""
         tokens = self._prompt_tokens(request)
         if isinstance(tokens, str):
-            rejected = dispatch.invalid_event(request, tokens)
-            await self._publish_outcome(request, rejected, "admission")
-            return ACK
+            return (dispatch.invalid_event(request, tokens), "admission")
         s = self._ctx.settings
         keys = block_keys(tokens, s.block_tokens, seed=s.hash_seed, salt=s.model_id)
         sreq = cd.ScheduleRequest(request.request_id, len(tokens), tuple(keys))
@@ -191,26 +236,104 @@ class Conductor:
                 return Retry("no prefill or decode instance yet", delay)
         inputs = self._inputs(request, decision)
         if not decision.admitted:
-            await self._publish_outcome(
-                request, dispatch.rejected_event(request, decision, inputs), decision.stage
-            )
-            return ACK
+            return (dispatch.rejected_event(request, decision, inputs), decision.stage)
         admitted = dispatch.admitted_event(request, decision, inputs)
         fact = cd.assignment(decision)
         if fact is not None:
             self.view.apply(fact, now)
         self.known.add(request.request_id, Known(request.reply_to, admitted.event_id))
-        await self._ctx.publisher.publish(admitted)
         work = dispatch.prefill_work(request, decision, tokens, admitted.event_id, s.block_tokens)
+        return (admitted, work)
+
+    async def _emit(self, request: ev.RequestSubmitted, plan: Plan) -> Outcome:
+        if isinstance(plan, Retry):
+            return plan
+        first, second = plan
+        if isinstance(first, ev.RequestRejected):
+            assert isinstance(second, str)
+            await self._publish_outcome(request, first, second)
+            return ACK
+        assert isinstance(first, ev.RequestAdmitted) and isinstance(second, PrefillWork)
+        # The admission is recorded before its work exists (the record's order).
+        await self._ctx.publisher.publish(first)
         headers = {MSG_ID: dispatch.prefill_work_msg_id(request.event_id)}
         inject_headers(headers)  # the request's trace continues on the prefill instance
         await self._ctx.js.publish(
-            self._subjects.prefill(work.prefill_instance), work.to_json(), headers=headers
+            self._subjects.prefill(second.prefill_instance), second.to_json(), headers=headers
         )
-        metrics.REQUESTS_ADMITTED.labels(admitted.policy).inc()
+        metrics.REQUESTS_ADMITTED.labels(first.policy).inc()
         if request.reply_to:
-            await self._ctx.nc.publish(request.reply_to, admitted.to_json())
+            await self._ctx.nc.publish(request.reply_to, first.to_json())
         return ACK
+
+    async def handle_batch(self, batch: list[Delivery]) -> list[Outcome]:
+        """A batch of submissions: the I/O of different requests overlaps (dedupe and
+        terminal lookups, then the publishes), the decisions stay one at a time in arrival
+        order. One consumer span per message, as `per_message` makes."""
+        spans = [consumer_span("admit", d) for d in batch]
+        outcomes: list[Outcome] = [ACK] * len(batch)
+        try:
+
+            async def pre(i: int) -> ev.RequestSubmitted | None:
+                with trace.use_span(spans[i], end_on_exit=False):
+                    judged = self._judge(batch[i])
+                    if isinstance(judged, ev.RequestSubmitted):
+                        fresh = await self._fresh(judged, batch[i].num_delivered)
+                        return judged if fresh else None
+                    outcomes[i] = await judged
+                    return None
+
+            fresh = await asyncio.gather(
+                *(pre(i) for i in range(len(batch))), return_exceptions=True
+            )
+            plans: dict[int, tuple[ev.RequestSubmitted, Plan]] = {}
+            for i, req in enumerate(fresh):
+                if isinstance(req, BaseException):
+                    outcomes[i] = _failed(spans[i], req)
+                elif req is not None:
+                    with trace.use_span(spans[i], end_on_exit=False):
+                        try:
+                            plans[i] = (req, self._plan(req, batch[i]))
+                        except Exception as exc:
+                            outcomes[i] = _failed(spans[i], exc)
+
+            async def emit(i: int) -> None:
+                with trace.use_span(spans[i], end_on_exit=False):
+                    outcomes[i] = await self._emit(*plans[i])
+
+            done = await asyncio.gather(*(emit(i) for i in plans), return_exceptions=True)
+            for i, res in zip(plans, done, strict=True):
+                if isinstance(res, BaseException):
+                    outcomes[i] = _failed(spans[i], res)
+            return outcomes
+        finally:
+            for span in spans:
+                span.end()
+
+    def _judge(self, d: Delivery) -> ev.RequestSubmitted | Awaitable[Outcome]:
+        """The accepted request, or (an awaitable of) the outcome of one that is not."""
+        parsed = ev.parse_event(
+            d.data,
+            subject=self._ctx.ns.canonical(d.subject),
+            max_bytes=self._ctx.settings.bus.max_event_bytes,
+        )
+        decision = ingress.judge(parsed, msg_id=d.headers.get(MSG_ID), now=ev.utcnow())
+        match decision:
+            case ingress.Accept(request=request):
+                return request
+            case _:
+                return self._not_accepted(decision)
+
+    async def _not_accepted(self, decision: ingress.Reject | ingress.Discard) -> Outcome:
+        match decision:
+            case ingress.Discard(reason=reason, detail=detail):
+                metrics.REQUESTS_REJECTED.labels("ingress", "unreadable").inc()
+                return DeadLetter(reason, detail)
+            case ingress.Reject(event=rejected):
+                await self._ctx.publisher.publish(rejected)
+                metrics.REQUESTS_REJECTED.labels("ingress", rejected.reason.value).inc()
+                return ACK
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _inputs(self, request: ev.RequestSubmitted, decision: cd.Decision) -> dict[str, Any]:
         """Every input of the decision (the event log explains it afterwards)."""
@@ -237,6 +360,9 @@ class Conductor:
         if not isinstance(event, ev.CancelRequested):
             detail = event.detail if isinstance(event, ev.InvalidEvent) else event.type
             return DeadLetter("invalid_request", detail)
+        self._cancelled[event.request_id] = None
+        while len(self._cancelled) > CANCELLED_MEMORY:
+            self._cancelled.popitem(last=False)
         known = self.known.get(event.request_id)
         stage = cancel_stage(self.view, event.request_id, known is not None)
         reply_to = known.reply_to if known is not None else None
@@ -292,7 +418,7 @@ async def serve(ctx: WorkerContext, conductor: Conductor) -> None:
     cancels = PullConsumer(ctx.nc, ctx.js, CANCELS, s.bus, ctx.ns)
     try:
         await asyncio.gather(
-            submitted.run(per_message(conductor.handle, "admit"), ctx.stop),
+            submitted.run(conductor.handle_batch, ctx.stop),
             cancels.run(per_message(conductor.cancel, "cancel"), ctx.stop),
         )
     finally:
