@@ -57,7 +57,9 @@ def _refused(r: ms.Refusal) -> p.Refused:
 
 
 def _journal_replica(r: Replica) -> ev.Replica:
-    return ev.Replica(node=r.node_id, segment=r.segment_id, tier=r.tier.value)
+    # Built from the master's own validated state: construct without re-validating (the
+    # journal of a busy master is thousands of these a second).
+    return ev.Replica.model_construct(node=r.node_id, segment=r.segment_id, tier=r.tier.value)
 
 
 class StoreMaster:
@@ -135,10 +137,10 @@ class StoreMaster:
         except Exception as e:  # a bug must not take the master down
             log.exception("store master: %s failed", op)
             reply = p.ErrorReply(error=f"{op} failed: {type(e).__name__}")
-        self._dispatch_changes()
-        if msg.reply:
+        if msg.reply:  # answer first: the journal and notifications are not on its path
             with contextlib.suppress(Exception):
                 await msg.respond(reply.model_dump_json().encode())
+        self._dispatch_changes()
 
     def _segments_of(self, replicas: list[p.ReplicaWire]) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}
@@ -282,7 +284,7 @@ class StoreMaster:
             match c:
                 case ms.ObjectStored(key=key, size=size, replicas=reps, pin=pin):
                     self._journal.append(
-                        ev.KvObjectStored(
+                        ev.KvObjectStored.model_construct(
                             key=key,
                             size_bytes=size,
                             replicas=[_journal_replica(r) for r in reps],
@@ -293,7 +295,7 @@ class StoreMaster:
                         per_node[node].append(self._node_view(key, node))
                 case ms.ObjectRemoved(key=key, reason=reason, nodes=nodes):
                     metrics.STORE_EVICTIONS.labels(reason).inc()
-                    self._journal.append(ev.KvObjectRemoved(key=key, reason=reason))
+                    self._journal.append(ev.KvObjectRemoved.model_construct(key=key, reason=reason))
                     for node in nodes:
                         per_node[node].append(p.NodeUpdate(key=key, held=[]))
                 case ms.ReplicaDropped(key=key, replica=r):
