@@ -31,7 +31,6 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
 from mooncake import events as ev
 from mooncake import metrics
@@ -44,9 +43,10 @@ from mooncake.bus.consume import (
     Outcome,
     PullConsumer,
     Retry,
+    consumer_span,
     per_message,
 )
-from mooncake.bus.publish import MSG_ID, bus_tracer
+from mooncake.bus.publish import MSG_ID
 from mooncake.config import Settings
 from mooncake.core import admission, ingress
 from mooncake.core import cluster as cl
@@ -62,7 +62,7 @@ from mooncake.serving.conductor_reaper import Reaper
 from mooncake.serving.conductor_setup import build_costs, conductor_config
 from mooncake.serving.conductor_terminal import Ender, Known, KnownRequests, cancel_stage
 from mooncake.serving.models import build_tokenizer
-from mooncake.telemetry import extract_context, inject_headers
+from mooncake.telemetry import inject_headers
 from mooncake.work import PrefillWork, WorkSubjects
 from workers.runtime import WorkerContext, configure_logging, worker_context
 
@@ -84,19 +84,6 @@ NO_TOKENIZER = (
 # What the decision step hands the publish step: a retry, an (event, stage) rejection, or
 # the admission with its prefill work.
 Plan = Retry | tuple[ev.RequestRejected, str] | tuple[ev.RequestAdmitted, PrefillWork]
-
-
-def consumer_span(name: str, d: Delivery) -> trace.Span:
-    headers = d.headers
-    return bus_tracer().start_span(
-        f"{name} {d.subject}",
-        context=extract_context(headers),
-        kind=SpanKind.CONSUMER,
-        attributes={
-            "messaging.message.id": headers.get(MSG_ID, ""),
-            "mc.num_delivered": d.num_delivered,
-        },
-    )
 
 
 async def _none() -> None:

@@ -42,15 +42,15 @@ from prometheus_client import Counter
 from pydantic import ValidationError
 
 from mooncake import events as ev
+from mooncake.aio import cancel_all
 from mooncake.bus import terminal
 from mooncake.bus.consume import ConsumerSpec, PullConsumer
 from mooncake.bus.publish import MSG_ID
 from mooncake.config import Settings
 from mooncake.engine import Completion, DecodeBatch, Engine, EngineError, SequenceKV
-from mooncake.engine import SamplingParams as EngineParams
 from mooncake.engine.kv import DTYPE_CODES, HEADER, MAGIC, VERSION
 from mooncake.serving.local_store import LocalStore, cluster_secret, local_store
-from mooncake.serving.models import build_engine
+from mooncake.serving.models import build_engine, engine_params
 from mooncake.serving.streaming import TextDeltas, TokenStreamer
 from mooncake.telemetry import extract_context, tracer
 from mooncake.work import DecodeWork, LoadReport, TokenChunk, WorkSubjects
@@ -74,18 +74,6 @@ DECODE_TOKENS = Counter("mc_decode_tokens_total", "Tokens decoded (after the fir
 
 def work_spec(instance: str) -> ConsumerSpec:
     return ConsumerSpec("MC_WORK", f"decode-{instance}", f"mc.decode.{instance}")
-
-
-def engine_params(p: ev.SamplingParams) -> EngineParams:
-    return EngineParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        seed=p.seed,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-    )
 
 
 def _backoff(msg: Msg) -> float:
@@ -254,9 +242,7 @@ class DecodeWorker:
         try:
             await self._decode_loop()
         finally:
-            for t in side:
-                t.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            await cancel_all(side)
             with contextlib.suppress(Exception):
                 await pulls.unsubscribe()
             with contextlib.suppress(Exception):

@@ -39,6 +39,7 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from mooncake import events as ev
+from mooncake.aio import cancel_all
 from mooncake.bus import terminal
 from mooncake.bus.consume import (
     ACK,
@@ -54,7 +55,6 @@ from mooncake.bus.consume import (
 from mooncake.bus.publish import MSG_ID
 from mooncake.config import Settings
 from mooncake.engine import Engine, EngineError
-from mooncake.engine import SamplingParams as EngineSampling
 from mooncake.engine.sampling import make_generator, sample
 from mooncake.serving.kvstore import (
     PrefillCancelled,
@@ -63,7 +63,7 @@ from mooncake.serving.kvstore import (
     replicate_blocks,
 )
 from mooncake.serving.local_store import LocalStore, local_store
-from mooncake.serving.models import build_engine
+from mooncake.serving.models import build_engine, engine_params
 from mooncake.telemetry import inject_headers, tracer
 from mooncake.work import DecodeWork, LoadReport, PrefillWork, TokenChunk, WorkSubjects, tail_key
 from workers.runtime import WorkerContext, configure_logging, worker_context
@@ -78,19 +78,6 @@ DONE_MEMORY = 4096  # (request, attempt) pairs finished here: a redelivery of on
 
 def consumer_spec(instance: str) -> ConsumerSpec:
     return ConsumerSpec("MC_WORK", f"{ROLE}-{instance}", f"mc.prefill.{instance}")
-
-
-def engine_params(p: ev.SamplingParams) -> EngineSampling:
-    """The request's sampling parameters as the engine takes them."""
-    return EngineSampling(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        seed=p.seed,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-    )
 
 
 def first_token(engine: Engine, done: StoredPrefill, params: ev.SamplingParams) -> int:
@@ -145,12 +132,9 @@ class PrefillWorker:
         try:
             await self.consumer.run(per_message(self.handle, "prefill"), self._ctx.stop)
         finally:
-            reports.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            for task in list(self._background):
-                task.cancel()
-            await asyncio.gather(reports, *self._background, return_exceptions=True)
+            await cancel_all([reports, *self._background])
 
     async def _on_cancel(self, msg: Msg) -> None:
         event = ev.parse_event(msg.data)

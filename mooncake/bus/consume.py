@@ -29,6 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from mooncake import metrics
@@ -122,22 +123,29 @@ def backoff_delay(num_delivered: int, bus: BusSettings) -> float:
     return float(min(bus.nak_base_delay_s * 2 ** max(num_delivered - 1, 0), bus.nak_max_delay_s))
 
 
+def consumer_span(name: str, d: Delivery) -> trace.Span:
+    """The consumer span of one delivery, child of the producer's context in its headers
+    (started, not current: the caller decides where it is current, and ends it)."""
+    headers = d.headers
+    return bus_tracer().start_span(
+        f"{name} {d.subject}",
+        context=extract_context(headers),
+        kind=SpanKind.CONSUMER,
+        attributes={
+            "messaging.message.id": headers.get(MSG_ID, ""),
+            "mc.num_delivered": d.num_delivered,
+        },
+    )
+
+
 def per_message(handler: Handler, name: str) -> BatchHandler:
     """Run a per-message handler over a batch, in order, one consumer span per message."""
 
     async def handle(batch: list[Delivery]) -> list[Outcome]:
         outcomes: list[Outcome] = []
         for d in batch:
-            headers = d.headers
-            with bus_tracer().start_as_current_span(
-                f"{name} {d.subject}",
-                context=extract_context(headers),
-                kind=SpanKind.CONSUMER,
-                attributes={
-                    "messaging.message.id": headers.get(MSG_ID, ""),
-                    "mc.num_delivered": d.num_delivered,
-                },
-            ) as span:
+            span = consumer_span(name, d)
+            with trace.use_span(span, end_on_exit=True):
                 try:
                     outcomes.append(await handler(d))
                 except Exception as exc:  # any failure is a retry, never a dead consumer

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from mooncake import events as ev
 from mooncake.config import EngineSettings, Settings
 from mooncake.engine import Engine, ModelSpec, dummy_model
+from mooncake.engine import SamplingParams as EngineSampling
 from mooncake.engine.tokenizer import ChatTokenizer
 
 
@@ -46,3 +48,16 @@ def build_tokenizer(settings: Settings) -> ChatTokenizer | None:
 
     reader = open_gguf(s.gguf_path or smollm2_path())
     return tokenizer_from_gguf(dict(reader.fields))
+
+
+def engine_params(p: ev.SamplingParams) -> EngineSampling:
+    """A request's sampling parameters as the engine takes them."""
+    return EngineSampling(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+    )

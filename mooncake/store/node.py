@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from mooncake import metrics
+from mooncake.aio import cancel_all
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
 from mooncake.store.kv_index import KvEventLog
@@ -137,17 +138,7 @@ class StoreNode:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         self._stopping = True
-        # A cancellation can be swallowed (a `wait_for` finishing in the same turn, a loop
-        # catching it): cancel again until every task is gone, never wait forever.
-        for _ in range(10):
-            tasks = [t for t in self._tasks if not t.done()]
-            if not tasks:
-                break
-            for t in tasks:
-                t.cancel()
-            await asyncio.wait(tasks, timeout=0.5)
-        else:
-            log.warning("node %s: %d task(s) would not stop", self.config.node_id, len(tasks))
+        await cancel_all(list(self._tasks))
         for server in self.servers:
             with contextlib.suppress(Exception):
                 await server.stop()

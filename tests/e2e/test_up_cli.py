@@ -36,7 +36,7 @@ def test_up_submit_and_clean_shutdown(tmp_path: Path) -> None:
     )
     runtime = tmp_path / ".mooncake" / "runtime.env"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180  # embedded Postgres initdb is slow on a busy box
         while not runtime.exists() and time.monotonic() < deadline and up.poll() is None:
             time.sleep(0.2)
         assert runtime.exists(), "mooncake up did not come up"
