@@ -49,6 +49,35 @@ REQUESTS_REJECTED = Counter(
 )
 REQUESTS_ADMITTED = Counter("mc_requests_admitted_total", "Requests admitted", ["policy"])
 
+# --- requests: how they ended, and their latency against the SLO ------------------------------
+# Bucket bounds include the default SLOs (config.SLO: TTFT 30 s, TBT 0.1 s) so that the
+# fraction within the SLO is exact and histogram_quantile interpolates inside tight buckets
+# around it; the configured SLO itself is exported (mc_slo_seconds) for dashboards and alerts.
+REQUESTS_ENDED = Counter(
+    "mc_requests_ended_total",
+    "Terminal events a prefill or decode worker published (it won the request's terminal "
+    "claim), by type (completed, failed, cancelled), stage and reason; the Conductor's own "
+    "are mc_conductor_terminal_total, rejections mc_requests_rejected_total",
+    ["type", "stage", "reason"],
+)
+TTFT_SECONDS = Histogram(
+    "mc_request_ttft_seconds",
+    "Time to first token of each completed request (submitted -> first token streamed)",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 25, 30, 40, 60, 120, 300),
+)
+TBT_SECONDS = Histogram(
+    "mc_request_tbt_seconds",
+    "Time between tokens of each completed request: the mean of its slowest 10 % of "
+    "inter-token gaps (how the SLO scores it)",
+    buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1, 2.5),
+)
+SLO_SECONDS = Gauge("mc_slo_seconds", "The configured service-level objective", ["slo"])
+TOKENS_GENERATED = Counter(
+    "mc_tokens_generated_total",
+    "Output tokens generated, by stage (prefill samples the first, decode the rest)",
+    ["stage"],
+)
+
 # --- the Conductor's view of the instances (from their load reports) -------------------------
 INSTANCE_QUEUE_DEPTH = Gauge(
     "mc_instance_queue_depth",
@@ -74,6 +103,38 @@ REQUESTS_ENDED_BY_CONDUCTOR = Counter(
     "mc_conductor_terminal_total",
     "Terminal events the Conductor published (failed after retries, cancelled), by type",
     ["type", "reason"],
+)
+
+# --- the prefill and decode workers (each about itself: one process, one scrape target) ------
+WORKER_QUEUED = Gauge(
+    "mc_worker_queued", "Requests waiting in this worker (as in its load reports)", ["stage"]
+)
+WORKER_RUNNING = Gauge(
+    "mc_worker_running",
+    "Requests this worker is computing (prefill: 0 or 1; decode: its batch)",
+    ["stage"],
+)
+DECODE_CONTEXT_TOKENS = Gauge(
+    "mc_decode_context_tokens", "KV tokens the running sequences of this decode worker hold"
+)
+DECODE_KV_CAPACITY_TOKENS = Gauge(
+    "mc_decode_kv_capacity_tokens", "KV tokens this decode worker may hold at once"
+)
+DECODE_KV_RECOMPUTED = Counter(
+    "mc_decode_kv_recomputed_total",
+    "Decode work whose prompt KV was missing from the store and was recomputed locally",
+    ["reason"],
+)
+# The cache hit rate per tier is mc_prefill_kv_tokens_total{tier} over its denominator
+# mc_prefill_prompt_tokens_total; the tiers (computed included) add up to the denominator.
+PREFILL_PROMPT_TOKENS = Counter(
+    "mc_prefill_prompt_tokens_total", "Prompt tokens of the prefills this worker finished"
+)
+PREFILL_KV_TOKENS = Counter(
+    "mc_prefill_kv_tokens_total",
+    "Prompt tokens by where a prefill got their KV: loaded from this node's DRAM "
+    "(local_dram), another node's DRAM (remote_dram), an SSD tier (ssd), or computed",
+    ["tier"],
 )
 
 # --- the store ---------------------------------------------------------------------------------

@@ -38,10 +38,10 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
-from prometheus_client import Counter
 from pydantic import ValidationError
 
 from mooncake import events as ev
+from mooncake import metrics
 from mooncake.aio import cancel_all
 from mooncake.bus import terminal
 from mooncake.bus.consume import ConsumerSpec, PullConsumer
@@ -64,13 +64,6 @@ RECONCILE_EVERY_S = 1.0  # look up the terminal slot of every running request th
 PULL_EXPIRES_S = 2.0
 DRAIN_S = 10.0  # on shutdown, running sequences get this long to finish
 
-KV_RECOMPUTED = Counter(
-    "mc_decode_kv_recomputed_total",
-    "Decode work whose prompt KV was missing from the store and was recomputed locally",
-    ["reason"],
-)
-DECODE_TOKENS = Counter("mc_decode_tokens_total", "Tokens decoded (after the first)")
-
 
 def work_spec(instance: str) -> ConsumerSpec:
     return ConsumerSpec("MC_WORK", f"decode-{instance}", f"mc.decode.{instance}")
@@ -87,6 +80,14 @@ def slowest_tenth_mean(times: list[float]) -> float | None:
         return None
     worst = gaps[: max(1, len(gaps) // 10)]
     return sum(worst) / len(worst)
+
+
+def observe_completed(finish_reason: str, ttft_s: float, tbt_s: float | None) -> None:
+    """A request this worker completed (it won the terminal claim: counted once)."""
+    metrics.REQUESTS_ENDED.labels("completed", ROLE, finish_reason).inc()
+    metrics.TTFT_SECONDS.observe(ttft_s)
+    if tbt_s is not None:  # a single decoded token has no gap to score
+        metrics.TBT_SECONDS.observe(tbt_s)
 
 
 # --- the prompt's KV from the store ---------------------------------------------------------
@@ -192,6 +193,12 @@ class DecodeWorker:
         self._load_seq = 0
         self._consumer = PullConsumer(ctx.nc, ctx.js, work_spec(self.instance), s.bus, ctx.ns)
         self._done = asyncio.Event()  # the decode loop has drained
+        self._tokens = metrics.TOKENS_GENERATED.labels(ROLE)
+        self._queued_gauge = metrics.WORKER_QUEUED.labels(ROLE)
+        self._running_gauge = metrics.WORKER_RUNNING.labels(ROLE)
+        metrics.DECODE_KV_CAPACITY_TOKENS.set(self.capacity)
+        metrics.SLO_SECONDS.labels("ttft").set(s.slo.ttft_s)  # the lines TTFT/TBT are held to
+        metrics.SLO_SECONDS.labels("tbt").set(s.slo.tbt_s)
 
     # --- accounting -------------------------------------------------------------------------
 
@@ -444,7 +451,7 @@ class DecodeWorker:
     async def _recompute(self, job: Job) -> SequenceKV:
         why = job.kv if isinstance(job.kv, str) else "miss"
         log.info("%s: prompt KV not in the store (%s): recomputing it here", job.rid, why)
-        KV_RECOMPUTED.labels(why).inc()
+        metrics.DECODE_KV_RECOMPUTED.labels(why).inc()
         self.recomputed += 1
         job.span.set_attribute("mc.kv_recomputed", why)
         prefilled = await asyncio.to_thread(self.engine.prefill, list(job.work.token_ids))
@@ -466,7 +473,7 @@ class DecodeWorker:
             )
             job.times.append(now)
             job.sent = i + 1
-            DECODE_TOKENS.inc()
+            self._tokens.inc()
             try:
                 await self.streamer.emit(chunk)
             except Exception as exc:  # a client subject we cannot publish to: keep decoding
@@ -519,17 +526,20 @@ class DecodeWorker:
                     reason: Literal["stop", "length"] = (
                         "length" if c.finish_reason == "length" else "stop"
                     )
+                    ttft = max(w.first_token_at - w.timing.submitted_at, 0.0)
+                    tbt = slowest_tenth_mean(job.times)
                     await self.ctx.publisher.publish(
                         ev.RequestCompleted(
                             event_id=event_id,
                             request_id=w.request_id,
                             output_tokens=len(c.tokens),
                             finish_reason=reason,
-                            ttft_s=max(w.first_token_at - w.timing.submitted_at, 0.0),
-                            tbt_s=slowest_tenth_mean(job.times),
+                            ttft_s=ttft,
+                            tbt_s=tbt,
                             text=c.text or None,
                         )
                     )
+                    observe_completed(reason, ttft, tbt)
                     await self.streamer.close(
                         TokenChunk(
                             request_id=w.request_id,
@@ -572,6 +582,7 @@ class DecodeWorker:
                                 stage="decode",
                             )
                         )
+                        metrics.REQUESTS_ENDED.labels("cancelled", ROLE, "deadline").inc()
                         cancelled = True
                 if cancelled:
                     await self.streamer.close(
@@ -610,6 +621,7 @@ class DecodeWorker:
                         detail=detail[:2000],
                     )
                 )
+                metrics.REQUESTS_ENDED.labels("failed", ROLE, reason).inc()
                 if work.request_id not in self.streamer:
                     self.streamer.open(work.request_id, work.reply_to)
                 await self.streamer.close(
@@ -717,8 +729,12 @@ class DecodeWorker:
     async def _load_reports(self) -> None:
         subject = self.subjects.load(self.instance)
         while True:
+            report = self.load_report()
+            self._queued_gauge.set(report.queued)
+            self._running_gauge.set(report.running)
+            metrics.DECODE_CONTEXT_TOKENS.set(report.context_tokens)
             with contextlib.suppress(Exception):
-                await self.ctx.nc.publish(subject, self.load_report().to_json())
+                await self.ctx.nc.publish(subject, report.to_json())
             await asyncio.sleep(LOAD_EVERY_S)
 
 

@@ -39,6 +39,7 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from mooncake import events as ev
+from mooncake import metrics
 from mooncake.aio import cancel_all
 from mooncake.bus import terminal
 from mooncake.bus.consume import (
@@ -57,6 +58,7 @@ from mooncake.config import Settings
 from mooncake.engine import Engine, EngineError
 from mooncake.engine.sampling import make_generator, sample
 from mooncake.serving.kvstore import (
+    TIERS,
     PrefillCancelled,
     StoredPrefill,
     prefill_with_store,
@@ -93,6 +95,14 @@ def event_id(work: PrefillWork, kind: str) -> str:
     return ev.derived_event_id(work.admitted_event_id, f"{kind}-{work.attempt}")
 
 
+def observe_prefill(done: StoredPrefill, prompt_tokens: int, block_tokens: int) -> None:
+    """Count a finished prefill's prompt tokens, and per tier where their KV came from."""
+    metrics.PREFILL_PROMPT_TOKENS.inc(prompt_tokens)
+    for tier, tokens in done.tokens_by_tier(prompt_tokens, block_tokens).items():
+        if tokens:
+            metrics.PREFILL_KV_TOKENS.labels(tier).inc(tokens)
+
+
 @dataclass
 class Running:
     """The request being prefilled now, and how to stop it."""
@@ -123,6 +133,10 @@ class PrefillWorker:
         self._seq = 0
         self._queued = 0
         self.last: StoredPrefill | None = None  # the last prefill's details (tests, debugging)
+        for tier in TIERS:  # every tier's series exists from the start (rates need it)
+            metrics.PREFILL_KV_TOKENS.labels(tier)
+        self._queued_gauge = metrics.WORKER_QUEUED.labels(ROLE)
+        self._running_gauge = metrics.WORKER_RUNNING.labels(ROLE)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -210,6 +224,7 @@ class PrefillWorker:
                 timer.cancel()
         prefill_s = time.perf_counter() - started
         self.last = done
+        observe_prefill(done, len(work.token_ids), self.engine.block_tokens)
         try:
             return await self._hand_over(work, done, prefill_s)
         except Exception as exc:
@@ -231,6 +246,7 @@ class PrefillWorker:
             text = self.engine.tokenizer.decode([token]) if self.engine.tokenizer else ""
             chunk = TokenChunk(request_id=work.request_id, index=0, token_ids=[token], text=text)
             await ctx.nc.publish(work.reply_to, chunk.to_json())
+        metrics.TOKENS_GENERATED.labels(ROLE).inc()
         if await terminal.ended(self._terminal, work.request_id) is not None:
             return ACK  # cancelled (or failed elsewhere) while it computed: nothing to hand on
         block = self.engine.block_tokens
@@ -322,6 +338,7 @@ class PrefillWorker:
                     detail=detail[:2000],
                 )
             )
+            metrics.REQUESTS_ENDED.labels("failed", ROLE, reason).inc()
             await self._tell_client(work, "failed", detail)
         return ACK
 
@@ -333,6 +350,7 @@ class PrefillWorker:
                     event_id=eid, request_id=work.request_id, reason=reason, stage="prefill"
                 )
             )
+            metrics.REQUESTS_ENDED.labels("cancelled", ROLE, reason).inc()
             await self._tell_client(work, "cancelled", reason)
         return ACK
 
@@ -371,6 +389,8 @@ class PrefillWorker:
                 queued_tokens=running.tokens if running is not None else 0,
                 running=1 if running is not None else 0,
             )
+            self._queued_gauge.set(report.queued)
+            self._running_gauge.set(report.running)
             with contextlib.suppress(Exception):
                 await ctx.nc.publish(subject, report.to_json())
             await asyncio.sleep(LOAD_INTERVAL_S)

@@ -43,6 +43,10 @@ log = logging.getLogger("mooncake.serving.kvstore")
 LOAD_WAIT_S = 30.0
 POLL_S = 0.05  # the compute thread's waits wake this often to notice a cancellation
 
+# Where a prompt token's KV came from (the tiers of the cache hit rate, and the miss).
+LOCAL_DRAM, REMOTE_DRAM, SSD, COMPUTED = "local_dram", "remote_dram", "ssd", "computed"
+TIERS = (LOCAL_DRAM, REMOTE_DRAM, SSD, COMPUTED)
+
 
 # --- the byte layout (pure) ------------------------------------------------------------------
 
@@ -117,6 +121,33 @@ def write_targets(
     if tail > 0:
         out.append(Target(tail_key, len(keys) * block_tokens, tail))
     return out
+
+
+def source_tier(segment_id: str, local_segment: str | None) -> str:
+    """The tier a block read from `segment_id` comes from, seen from the node that owns
+    `local_segment`. Store nodes name their segments `<node>-dram` and `<node>-ssd`
+    (`store.node`), which is how an SSD segment is told apart here."""
+    if segment_id == local_segment:
+        return LOCAL_DRAM
+    if segment_id.endswith("-ssd"):
+        return SSD
+    return REMOTE_DRAM
+
+
+def loaded_tiers(
+    handle: GetHandle, keys: Sequence[str], local_segment: str | None
+) -> dict[str, int]:
+    """Blocks per tier for the cached blocks `keys` that `handle` found: each block counts
+    where its read goes, the replica the handle ranks first (local transports before tcp,
+    DRAM before SSD); a read that falls back to another replica is still counted there."""
+    tiers: dict[str, int] = {}
+    for key in keys:
+        # GetHandle has no public accessor for its ranked replicas (store is not ours to
+        # change here); it keeps key -> (size, [(transport, endpoint, region), ...]).
+        _size, candidates = handle._found[key]
+        tier = source_tier(candidates[0][2].segment_id, local_segment)
+        tiers[tier] = tiers.get(tier, 0) + 1
+    return tiers
 
 
 def leading_hits(sizes: Sequence[int | None], size: int) -> int:
@@ -318,6 +349,15 @@ class StoredPrefill:
     computed_at: dict[int, float] = field(default_factory=dict)
     written_at: dict[int, float] = field(default_factory=dict)
     loaded_at: list[float] = field(default_factory=list)
+    loaded_from: dict[str, int] = field(default_factory=dict)  # tier -> loaded blocks
+
+    def tokens_by_tier(self, prompt_tokens: int, block_tokens: int) -> dict[str, int]:
+        """Prompt tokens per tier their KV came from (`TIERS`); they add up to the prompt."""
+        out = dict.fromkeys(TIERS, 0)
+        for tier, blocks in self.loaded_from.items():
+            out[tier] += blocks * block_tokens
+        out[COMPUTED] = prompt_tokens - self.loaded_blocks * block_tokens
+        return out
 
 
 async def prefill_with_store(
@@ -384,6 +424,7 @@ async def _prefill_once(
     kv = engine.new_kv(len(tokens) + 64)
     kv.length = n * size_t  # filled layer by layer by the loader, before each layer reads it
     loader = PrefixLoader(handle, keys[:n], layout, size_t, kv) if handle and n else None
+    loaded_from = loaded_tiers(handle, keys[:n], preferred_segment) if handle and n else {}
     targets = write_targets(keys, len(tokens), size_t, n, tail_key)
     put = await store.start_put(
         [(t.key, layout.object_size(t.tokens)) for t in targets],
@@ -423,6 +464,7 @@ async def _prefill_once(
         computed_at=hooks.computed_at,
         written_at=writer.written_at,
         loaded_at=loader.loaded_at if loader is not None else [],
+        loaded_from=loaded_from,
     )
 
 
