@@ -32,7 +32,7 @@ app.add_typer(profile_app, name="profile")
 app.add_typer(simulate_app, name="simulate")
 app.command("replay")(replay)
 
-WORKERS = ("recorder", "store-master", "conductor", "prefill", "decode", "store-node")
+WORKERS = ("recorder", "store-master", "conductor", "prefill", "decode", "store-node", "gateway")
 
 
 class Until(StrEnum):
@@ -139,6 +139,8 @@ def worker(
         from workers import prefill as mod  # type: ignore[no-redef]
     elif role == "decode":
         from workers import decode as mod  # type: ignore[no-redef]
+    elif role == "gateway":
+        from workers import gateway as mod  # type: ignore[no-redef]
     else:
         err.print(f"[red]unknown role {role!r}[/red]; expected one of {', '.join(WORKERS)}")
         raise typer.Exit(2)

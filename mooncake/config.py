@@ -146,6 +146,23 @@ class ConductorSettings(BaseModel):
     uniform_decode_s: Annotated[float, Field(gt=0)] = 10.0
 
 
+class GatewaySettings(BaseModel):
+    """The OpenAI-compatible HTTP gateway (workers/gateway.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    # 0 picks a free port (the worker logs it; `mooncake up` shows it).
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    # What a rejected request's `Retry-After` says (HTTP wants whole seconds).
+    retry_after_s: Annotated[int, Field(ge=0, le=3600)] = 2
+    # A request not finished by then is answered 504 and cancelled in the pipeline (it is
+    # also the request's deadline there, so no worker keeps computing for nobody).
+    request_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    # Larger bodies are refused (413) before they are read.
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MOONCAKE_",
@@ -178,6 +195,7 @@ class Settings(BaseSettings):
     # with `conductor.cost_profile` from `mooncake profile engine` on the serving hardware.
     admission_policy: Literal["none", "baseline", "early", "predicted"] = "none"
     conductor: ConductorSettings = ConductorSettings()
+    gateway: GatewaySettings = GatewaySettings()
 
     # OpenTelemetry: spans are created always, exported only when an endpoint is set.
     otlp_endpoint: str | None = None

@@ -167,3 +167,19 @@ STORE_OBJECTS = Gauge("mc_store_objects", "Objects known to the store master")
 STORE_EVICTIONS = Counter(
     "mc_store_evictions_total", "Objects removed by the master, by reason", ["reason"]
 )
+
+# --- the gateway ---
+GATEWAY_REQUESTS = Counter(
+    "mc_gateway_requests_total",
+    "HTTP requests the OpenAI-compatible gateway answered, by route and status code",
+    ["route", "status"],
+)
+GATEWAY_REQUEST_SECONDS = Histogram(
+    "mc_gateway_request_seconds",
+    "Time from an HTTP request's arrival to the end of its response (a stream's last chunk)",
+    ["route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+GATEWAY_IN_FLIGHT = Gauge(
+    "mc_gateway_requests_in_flight", "HTTP requests the gateway is answering now", ["route"]
+)

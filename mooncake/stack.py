@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,13 @@ from urllib.parse import urlparse
 
 from mooncake.config import Settings
 from mooncake.db.engine import upgrade
-from mooncake.services import EmbeddedNats, EmbeddedPostgres, ManagedProcess, url_reachable
+from mooncake.services import (
+    EmbeddedNats,
+    EmbeddedPostgres,
+    ManagedProcess,
+    free_port,
+    url_reachable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +34,8 @@ LAYOUT: tuple[tuple[str, int], ...] = (
     ("conductor", 1),
     ("prefill", 2),
     ("decode", 2),
+    # The OpenAI-compatible HTTP API (gateway.port, 8000 unless configured or taken).
+    ("gateway", 1),
 )
 ROLES: tuple[str, ...] = tuple(role for role, _ in LAYOUT)
 
@@ -46,6 +55,8 @@ class Stack:
     workers: list[WorkerProcess] = field(default_factory=list)
     # The store's cluster secret: the configured one, else a fresh one per `up`.
     store_secret: str = field(default_factory=lambda: secrets.token_hex(32))
+    # Where the gateway listens, chosen once when it first starts (restarts keep it).
+    gateway_port: int | None = None
 
     def __post_init__(self) -> None:
         configured = self.settings.store.secret
@@ -90,9 +101,19 @@ class Stack:
         # Several engine processes share this machine's cores: one torch thread each,
         # unless configured otherwise.
         env.setdefault("MOONCAKE_ENGINE__THREADS", "1")
+        if self.gateway_port is not None:
+            env["MOONCAKE_GATEWAY__PORT"] = str(self.gateway_port)
         return env
 
+    @property
+    def gateway_url(self) -> str | None:
+        if self.gateway_port is None:
+            return None
+        return f"http://{self.settings.gateway.host}:{self.gateway_port}/v1"
+
     def start_worker(self, role: str, index: int = 0) -> WorkerProcess:
+        if role == "gateway" and self.gateway_port is None:
+            self.gateway_port = gateway_port(self.settings.gateway.host, self.settings.gateway.port)
         name = f"{role}-{index}"
         argv = [sys.executable, "-m", "mooncake.cli", "worker", role, "--instance", name]
         log_path = self.settings.data_dir / "logs" / f"{name}.log"
@@ -129,8 +150,28 @@ class Stack:
         ]
         for w in self.workers:
             state = "running" if w.running else f"exited {w.proc.returncode if w.proc else '?'}"
-            rows.append((w.name, f"pid {w.proc.pid if w.proc else '-'}", state))
+            where = f"pid {w.proc.pid if w.proc else '-'}"
+            if w.role == "gateway" and self.gateway_url:
+                where += f", {self.gateway_url}"
+            rows.append((w.name, where, state))
         return rows
+
+
+def gateway_port(host: str, configured: int) -> int:
+    """The configured port when it can be bound, else a free one (0 asks for that).
+
+    `mooncake up` is the one-machine dev path: when 8000 is taken (another service, a second
+    stack, tests running side by side) the system still comes up, on a port the status table
+    shows, instead of a gateway that crashes and restarts forever."""
+    if configured:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((host, configured))
+            return configured
+        except OSError:
+            log.warning("gateway port %s:%d is taken; using a free one", host, configured)
+    return free_port(host)
 
 
 def _local_port(url: str) -> int | None:

@@ -1,0 +1,424 @@
+"""The gateway's ASGI app: OpenAI's completions, chat completions and models endpoints over
+the pipeline, plus `/health` and `/metrics`.
+
+One request's life (`Call`): validate the body once (400 with the field named, 404 for a
+model this server does not serve), turn it into a submission (translate.py), publish it
+and wait for the Conductor's decision. A rejection is answered before any stream starts, so
+a client sees 429 + `Retry-After` (or 400 when the request itself was invalid) rather than a
+broken stream. Admitted: either the whole answer as one JSON body, or server-sent events as
+tokens arrive, then `data: [DONE]`. A request the client stops listening to (a stream's
+disconnect) or that outlives the timeout is cancelled in the pipeline (`mc.req.cancel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mooncake import metrics
+from mooncake.client import Outcome, new_request_id
+from mooncake.config import Settings
+from mooncake.engine.tokenizer import ChatTokenizer
+from mooncake.gateway import errors
+from mooncake.gateway import translate as tr
+from mooncake.gateway.backend import Backend
+from mooncake.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    Usage,
+)
+from mooncake.telemetry import tracer
+
+log = logging.getLogger("mooncake.gateway")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDED_TYPES = ("request.failed", "request.cancelled")
+Body = TypeVar("Body", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayOptions:
+    model_id: str
+    retry_after_s: int = 2
+    request_timeout_s: float = 300.0
+    max_body_bytes: int = 1 << 20
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> GatewayOptions:
+        g = s.gateway
+        return cls(s.model_id, g.retry_after_s, g.request_timeout_s, g.max_body_bytes)
+
+
+# --- request bodies -------------------------------------------------------------------------------
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refused (413) past `limit` bytes before more is read."""
+    declared = request.headers.get("content-length", "")
+    too_large = errors.ApiError(
+        413, f"the body exceeds {limit} bytes", errors.INVALID, code="body_too_large"
+    )
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as exc:
+        raise errors.bad_request(f"malformed JSON body: {exc}", code="invalid_json") from exc
+
+
+def parse(model: type[Body], data: Any) -> Body:
+    if not isinstance(data, dict):
+        raise errors.bad_request("the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise errors.invalid_body(exc) from exc
+
+
+# --- one request ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """One submitted request: what came back so far and how it ended."""
+
+    gateway: Gateway
+    request_id: str
+    replies: AsyncIterator[dict[str, Any]]
+    fmt: tr.ChunkFormat
+    prompt_tokens: int
+    out: Outcome
+    span: trace.Span
+    ended: dict[str, Any] | None = None  # a request.failed / request.cancelled event
+    over: bool = False  # the reply stream ended (final chunk, terminal event or timeout)
+    delivered: bool = False  # the client has had everything there is to say
+    unsent: bool = False  # the submission could not be published
+    closed: bool = field(default=False, repr=False)
+
+    async def next(self) -> dict[str, Any] | None:
+        if self.over:
+            return None
+        try:
+            body = await anext(self.replies)
+        except StopAsyncIteration:
+            self.over = True
+            return None
+        self.out.take(body)
+        if body.get("type") in ENDED_TYPES:
+            self.ended = body
+        return body
+
+    def _decided(self) -> bool:
+        o = self.out
+        return bool(o.decision or o.tokens or o.finish_reason or self.ended)
+
+    async def decide(self) -> None:
+        """Wait for the Conductor's decision (or the first token: the decision and prefill's
+        first token come from different publishers); raise what ended the request early."""
+        try:
+            with trace.use_span(self.span, end_on_exit=False):
+                while not self._decided() and await self.next() is not None:
+                    pass
+        except errors.ApiError:
+            raise
+        except Exception as exc:  # the publish itself failed: the bus is down
+            self.over = self.unsent = True
+            raise errors.unavailable(f"could not submit the request: {exc}") from exc
+        o = self.out
+        unfinished = o.finish_reason is not None and not o.finished
+        if self.over or o.rejected_reason is not None or unfinished or self.ended:
+            if (err := self.problem()) is not None:
+                raise err
+
+    async def run_out(self) -> None:
+        while await self.next() is not None:
+            pass
+
+    def problem(self) -> errors.ApiError | None:
+        """Why there is no (whole) answer; None when it finished."""
+        o, opts = self.out, self.gateway.options
+        if o.rejected_reason is not None and o.decision is not None:
+            return errors.rejected(o.decision, opts.retry_after_s)
+        if o.finished:
+            return None
+        if self.ended is not None:
+            kind = "cancelled" if self.ended.get("type") == "request.cancelled" else "failed"
+            detail = self.ended.get("detail") or self.ended.get("reason")
+            return errors.ended_badly(kind, str(detail) if detail else None)
+        if o.finish_reason is not None:
+            return errors.ended_badly(o.finish_reason, o.error)
+        return errors.timed_out(opts.request_timeout_s)
+
+    def usage(self) -> Usage:
+        prompt = self.prompt_tokens
+        if not prompt and self.out.decision:
+            prompt = int(self.out.decision.get("prompt_tokens") or 0)
+        return tr.usage(prompt, self.out)
+
+    async def events(self, include_usage: bool) -> AsyncGenerator[bytes, None]:
+        """The SSE stream: text in token order as it arrives, the finish, [DONE]."""
+        fmt, text = self.fmt, tr.InOrderText(self.out)
+        if (first := fmt.first()) is not None:
+            yield first
+        while True:
+            if piece := text.release():
+                yield fmt.text(piece)
+            if await self.next() is None:
+                break
+        err = self.problem()
+        if err is None:
+            if tail := text.rest():
+                yield fmt.text(tail)
+            yield fmt.finish(self.out.finish_reason)
+            if include_usage:
+                yield fmt.usage(self.usage())
+        else:
+            yield tr.error_event(err)
+        yield tr.DONE
+        self.delivered = True
+
+    async def close(self) -> None:
+        """Stop following the reply subject; cancel the request if it may still be running
+        (the client went away, or the timeout passed)."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            await self.replies.aclose()  # type: ignore[attr-defined]
+        o = self.out
+        if not (self.unsent or o.rejected_reason or o.finish_reason or self.ended):
+            # Over without an end: the timeout; not over: nobody listens any more.
+            reason = "timeout" if self.over else "client_disconnected"
+            await self.gateway.cancel(self.request_id, reason)
+        self.span.end()
+
+
+class EventStream(StreamingResponse):
+    """SSE whose cleanup runs however the stream ends (finished, client gone, shutdown)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, call: Call, include_usage: bool, headers: dict[str, str]) -> None:
+        self._call = call
+        self._events = call.events(include_usage)
+        super().__init__(
+            self._events,
+            headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Not awaited here: this task may be being cancelled (disconnect, shutdown).
+            self._call.gateway.spawn(self._finish())
+
+    async def _finish(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._events.aclose()
+        await self._call.close()
+
+
+# --- the handlers' shared state -------------------------------------------------------------------
+
+
+T = TypeVar("T")
+
+
+class Gateway:
+    def __init__(
+        self, backend: Backend, options: GatewayOptions, tokenizer: ChatTokenizer | None
+    ) -> None:
+        self.backend = backend
+        self.options = options
+        self.tokenizer = tokenizer
+        self.started = int(time.time())
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Let the cleanups (cancels) in flight finish: before the bus connection closes."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        try:
+            await self.backend.cancel(request_id, reason)
+        except Exception as exc:  # best effort: the deadline stops it in the pipeline anyway
+            log.warning("cancel of %s not published: %s", request_id, exc)
+
+    def check_model(self, model: str) -> None:
+        if model != self.options.model_id:
+            raise errors.model_not_found(model, self.options.model_id)
+
+    async def answer(
+        self, submission: tr.Submission, req: SamplingFields, *, chat: bool
+    ) -> Response:
+        if not self.backend.connected:
+            raise errors.unavailable("the message bus (NATS) is not connected")
+        rid = new_request_id()
+        headers = {"x-request-id": rid}
+        fmt = tr.ChunkFormat(
+            chat, tr.response_id("chatcmpl" if chat else "cmpl", rid),
+            self.options.model_id, int(time.time()),
+        )  # fmt: skip
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        span = tracer().start_span(
+            f"gateway {route}", kind=SpanKind.SERVER, attributes={"mc.request_id": rid}
+        )
+        replies = self.backend.submit(
+            submission, request_id=rid, timeout_s=self.options.request_timeout_s
+        )
+        call = Call(
+            self, rid, replies, fmt, len(submission.token_ids or ()),
+            Outcome(rid, submitted_at=time.monotonic()), span,
+        )  # fmt: skip
+        streaming = False
+        try:
+            await call.decide()
+            if req.stream:
+                streaming = True  # the stream's end closes the call
+                return EventStream(call, req.include_usage, headers)
+            await call.run_out()
+            if (problem := call.problem()) is not None:
+                raise problem
+            body_of = tr.chat_body if chat else tr.completion_body
+            body = body_of(fmt.rid, fmt.model, fmt.created, call.out, call.usage().prompt_tokens)
+            call.delivered = True
+            return JSONResponse(body.model_dump(), headers=headers)
+        except errors.ApiError as err:
+            err.headers.setdefault("x-request-id", rid)
+            raise
+        finally:
+            if not streaming:
+                self.spawn(call.close())
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+def route_label(path: str) -> str:
+    """A bounded label: the known routes, else `other` (paths are client-chosen)."""
+    if path in ROUTES:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+class HttpMetrics:
+    """Requests by route and status, and their time to the end of the response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = route_label(scope["path"])
+        status = 500  # what an exception escaping the app becomes
+        started = time.perf_counter()
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        metrics.GATEWAY_IN_FLIGHT.labels(route).inc()
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            metrics.GATEWAY_IN_FLIGHT.labels(route).dec()
+            metrics.GATEWAY_REQUESTS.labels(route, str(status)).inc()
+            metrics.GATEWAY_REQUEST_SECONDS.labels(route).observe(time.perf_counter() - started)
+
+
+# --- the app --------------------------------------------------------------------------------------
+
+
+def create_app(
+    backend: Backend, options: GatewayOptions, tokenizer: ChatTokenizer | None = None
+) -> FastAPI:
+    gw = Gateway(backend, options, tokenizer)
+    app = FastAPI(title="mooncake gateway", summary="OpenAI-compatible API over mooncake")
+    app.state.gateway = gw
+    app.add_middleware(HttpMetrics)
+
+    @app.exception_handler(errors.ApiError)
+    async def _api_error(_: Request, exc: errors.ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> Response:
+        kind = errors.NOT_FOUND if exc.status_code == 404 else errors.INVALID
+        return errors.ApiError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unexpected error")
+        err = errors.ApiError(500, f"internal error: {type(exc).__name__}", errors.SERVER)
+        return err.response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse(CompletionRequest, await read_json(request, options.max_body_bytes))
+        gw.check_model(req.model)
+        return await gw.answer(tr.completion_submission(req, gw.tokenizer), req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse(ChatCompletionRequest, await read_json(request, options.max_body_bytes))
+        gw.check_model(req.model)
+        return await gw.answer(tr.chat_submission(req, gw.tokenizer), req, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=options.model_id, created=gw.started)])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        gw.check_model(model)
+        return ModelCard(id=options.model_id, created=gw.started)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = backend.connected
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "nats": ok, "model": options.model_id},
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,568 @@
+"""The OpenAI-compatible gateway's HTTP side, against an in-memory pipeline: request
+validation and its messages, the mapping of rejections / failures / timeouts to HTTP, the
+SSE and JSON wire formats (also read back by the official `openai` client), the chat
+template, cancels when a client goes away, and the HTTP metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client import REGISTRY
+from tokenizers import AddedToken, Tokenizer, pre_tokenizers
+from tokenizers import decoders as tk_decoders
+from tokenizers.models import BPE
+
+from mooncake.client import TERMINAL_TYPES, is_final
+from mooncake.config import Settings
+from mooncake.engine.tokenizer import ChatTokenizer
+from mooncake.gateway import GatewayOptions, create_app
+from mooncake.gateway.app import Gateway
+from mooncake.gateway.translate import Submission
+
+MODEL = "test-model"
+HANG = object()  # a script step: nothing more comes back (the request times out)
+Script = Callable[[str, Submission], AsyncIterator[Any]]
+
+
+# --- an in-memory pipeline ------------------------------------------------------------------------
+
+
+def admitted(rid: str, prompt_tokens: int = 3) -> dict[str, Any]:
+    return {"type": "request.admitted", "request_id": rid, "policy": "none",
+            "prompt_tokens": prompt_tokens}  # fmt: skip
+
+
+def chunk(rid: str, index: int, token: int, text: str) -> dict[str, Any]:
+    return {"request_id": rid, "index": index, "token_ids": [token], "text": text}
+
+
+def final(rid: str, index: int, reason: str = "stop", error: str | None = None) -> dict[str, Any]:
+    body = {"request_id": rid, "index": index, "token_ids": [], "text": "", "done": True,
+            "finish_reason": reason}  # fmt: skip
+    return body | ({"error": error} if error else {})
+
+
+def answer(*pieces: str, reason: str = "stop") -> Script:
+    """Admitted, one token per piece, then the final chunk."""
+
+    async def script(rid: str, sub: Submission) -> AsyncIterator[Any]:
+        yield admitted(rid, len(sub.token_ids or ()))
+        for i, piece in enumerate(pieces):
+            yield chunk(rid, i, 100 + i, piece)
+        yield final(rid, len(pieces), reason)
+
+    return script
+
+
+def replies(*steps: Any) -> Script:
+    """A fixed list of replies (with `{rid}` filled in)."""
+
+    async def script(rid: str, sub: Submission) -> AsyncIterator[Any]:
+        for step in steps:
+            yield step if step is HANG else {**step, "request_id": rid}
+
+    return script
+
+
+class FakeBackend:
+    """Records what the gateway submits and cancels; answers from a script, with
+    `mooncake.client.submit`'s end-of-stream rules."""
+
+    def __init__(self, script: Script | None = None, connected: bool = True) -> None:
+        self.script = script or answer("Hello", " world")
+        self.connected = connected
+        self.submitted: list[tuple[str, Submission]] = []
+        self.cancels: list[tuple[str, str]] = []
+        self.closed: list[str] = []
+
+    def submit(
+        self, submission: Submission, *, request_id: str, timeout_s: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        return self._follow(submission, request_id)
+
+    async def _follow(self, submission: Submission, rid: str) -> AsyncIterator[dict[str, Any]]:
+        self.submitted.append((rid, submission))  # published on the first read, like submit
+        try:
+            async for body in self.script(rid, submission):
+                if body is HANG:
+                    return  # what `submit` does when its timeout passes
+                yield body
+                if is_final(body, TERMINAL_TYPES):
+                    return
+        finally:
+            self.closed.append(rid)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        self.cancels.append((request_id, reason))
+
+
+def byte_tokenizer(template: str) -> ChatTokenizer:
+    """A real (tokenizers) byte-level tokenizer with ChatML's special tokens and `template`."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    specials = {"<|im_start|>": len(vocab), "<|im_end|>": len(vocab) + 1}
+    tok = Tokenizer(BPE(vocab=vocab | specials, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk_decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return ChatTokenizer(
+        tok, eos_id=specials["<|im_end|>"], template=template, special_tokens=specials
+    )
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}"
+)
+
+
+class Rig:
+    def __init__(self, backend: FakeBackend, tokenizer: ChatTokenizer | None, **opts: Any):
+        options = GatewayOptions(MODEL, **({"retry_after_s": 7, "max_body_bytes": 4096} | opts))
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.app = create_app(backend, options, tokenizer)
+        self.http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://gw"
+        )
+
+    @property
+    def tok(self) -> ChatTokenizer:
+        assert self.tokenizer is not None
+        return self.tokenizer
+
+    @property
+    def gateway(self) -> Gateway:
+        gw: Gateway = self.app.state.gateway
+        return gw
+
+    async def post(self, path: str, body: Any) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return await self.http.post(
+            path, content=content, headers={"content-type": "application/json"}
+        )
+
+    def openai(self) -> openai.AsyncOpenAI:
+        # openai 3 is typed for its own httpx fork; it drives any httpx-compatible client.
+        return openai.AsyncOpenAI(
+            base_url="http://gw/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=self.http,  # type: ignore[arg-type,unused-ignore]
+        )
+
+
+@pytest.fixture
+def rig() -> Callable[..., Rig]:
+    def make(
+        script: Script | None = None, *, tokenizer: ChatTokenizer | None = None, **opts: Any
+    ) -> Rig:
+        return Rig(FakeBackend(script), tokenizer or byte_tokenizer(TEMPLATE), **opts)
+
+    return make
+
+
+def error_of(resp: httpx.Response) -> dict[str, Any]:
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    assert {"message", "type", "code"} <= set(body["error"]), body
+    err: dict[str, Any] = body["error"]
+    return err
+
+
+def sse_events(text: str) -> list[str]:
+    """The `data:` payloads of an event stream, asserting the framing."""
+    assert text.endswith("\n\n"), text[-50:]
+    blocks = text.split("\n\n")[:-1]
+    assert all(b.startswith("data: ") for b in blocks), blocks
+    return [b.removeprefix("data: ") for b in blocks]
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+
+async def test_malformed_json_is_400_with_the_parser_message(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    resp = await r.post("/v1/completions", b'{"model": "test-model", "prompt": ')
+    assert resp.status_code == 400
+    err = error_of(resp)
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+    assert err["message"].startswith("malformed JSON body")
+    resp = await r.post("/v1/chat/completions", b"[1, 2]")
+    assert resp.status_code == 400 and "JSON object" in error_of(resp)["message"]
+    assert r.backend.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"prompt": "hi", "max_tokens": -5}, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": "hi", "temperature": 3}, "temperature", "less than or equal to 2"),
+        ({"prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
+        ({"prompt": "hi", "n": 2}, "n", "only n=1"),
+        ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": [1, -2]}, "prompt", "non-negative"),
+        ({"prompt": "hi", "stop": ["x"] * 17}, "stop", "at most 16"),
+        ({}, "prompt", "Field required"),
+    ],
+)
+async def test_schema_errors_are_400_naming_the_field(
+    rig: Callable[..., Rig], body: dict[str, Any], param: str, says: str
+) -> None:
+    r = rig()
+    resp = await r.post("/v1/completions", {"model": MODEL} | body)
+    assert resp.status_code == 400, resp.text
+    err = error_of(resp)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert err["message"].startswith(param) and says in err["message"], err["message"]
+    assert r.backend.submitted == []
+
+
+async def test_chat_schema_errors(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"messages": []}, "messages", "at least 1"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'user'"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", ">"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+         "tools", "not supported"),
+    ]  # fmt: skip
+    for body, loc, says in cases:
+        resp = await r.post("/v1/chat/completions", {"model": MODEL} | body)
+        assert resp.status_code == 400, (body, resp.text)
+        message = error_of(resp)["message"]
+        assert message.startswith(loc) and (says in message or "greater" in message), message
+    assert r.backend.submitted == []
+
+
+async def test_unknown_model_is_404_model_not_found(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        resp = await r.post(path, {"model": "gpt-5"} | body)
+        assert resp.status_code == 404
+        err = error_of(resp)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert "gpt-5" in err["message"] and MODEL in err["message"]
+    assert (await r.http.get("/v1/models/gpt-5")).status_code == 404
+    assert r.backend.submitted == []
+
+
+async def test_body_over_the_limit_is_413(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x" * 5000})
+    assert resp.status_code == 413
+    assert error_of(resp)["code"] == "body_too_large"
+
+
+async def test_unknown_route_is_an_openai_error(rig: Callable[..., Rig]) -> None:
+    resp = await rig().http.get("/v1/nothing")
+    assert resp.status_code == 404 and error_of(resp)["type"] == "not_found_error"
+
+
+# --- translation ----------------------------------------------------------------------------------
+
+
+async def test_completion_prompt_is_tokenized_raw_and_params_mapped(
+    rig: Callable[..., Rig],
+) -> None:
+    r = rig()
+    resp = await r.post("/v1/completions", {
+        "model": MODEL, "prompt": "Once upon", "max_tokens": 9, "temperature": 0.5,
+        "top_p": 0.9, "seed": 42, "stop": "\n", "user": "someone", "metadata": {"x": 1},
+    })  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    ((_, sub),) = r.backend.submitted
+    assert sub.prompt is None
+    assert sub.token_ids == r.tok.encode("Once upon")  # no chat template around it
+    p = sub.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (9, 0.5, 0.9, 42, ["\n"])
+
+
+async def test_defaults_follow_openai(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    await r.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7]})
+    await r.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    )
+    (_, completion), (_, chat) = r.backend.submitted
+    assert completion.token_ids == [5, 6, 7]  # token-id prompts pass through
+    assert completion.params.max_tokens == 16 and completion.params.temperature == 1.0
+    assert chat.params.temperature == 1.0 and chat.params.max_tokens > 16
+
+
+async def test_chat_messages_go_through_the_models_chat_template(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    resp = await r.post("/v1/chat/completions", {
+        "model": MODEL, "max_completion_tokens": 5,
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user",
+             "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Capital of France?"},
+        ],
+    })  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    ((_, sub),) = r.backend.submitted
+    assert sub.params.max_tokens == 5
+    assert sub.token_ids is not None
+    rendered = r.tok.decode(sub.token_ids, skip_special=False)
+    assert rendered == (
+        "<|im_start|>system: Be brief.<|im_end|><|im_start|>user: Hi there<|im_end|>"
+        "<|im_start|>assistant: Hello!<|im_end|><|im_start|>user: Capital of France?<|im_end|>"
+        "<|im_start|>assistant: "
+    )
+    # The template's special tokens are single special tokens, not their characters.
+    assert sub.token_ids[0] == r.tok.special_tokens["<|im_start|>"]
+
+
+async def test_without_a_tokenizer_text_goes_on_and_chat_is_refused() -> None:
+    r = Rig(FakeBackend(), None)
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "hello"})
+    assert resp.status_code == 200
+    ((_, sub),) = r.backend.submitted
+    assert sub.prompt == "hello" and sub.token_ids is None
+    chat = await r.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert chat.status_code == 400 and "chat template" in error_of(chat)["message"]
+
+
+# --- answers --------------------------------------------------------------------------------------
+
+
+async def test_non_streamed_completion_body(rig: Callable[..., Rig]) -> None:
+    r = rig(answer("Paris", " is", " nice", reason="length"))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 3})
+    assert resp.status_code == 200
+    body = resp.json()
+    rid = resp.headers["x-request-id"]
+    assert body["id"] == "cmpl-" + rid.removeprefix("req-")
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert isinstance(body["created"], int)
+    assert body["choices"] == [
+        {"index": 0, "text": "Paris is nice", "logprobs": None, "finish_reason": "length"}
+    ]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    await r.gateway.drain()
+    assert r.backend.cancels == []  # it finished: nothing to cancel
+
+
+async def test_non_streamed_chat_body_read_by_the_openai_client(rig: Callable[..., Rig]) -> None:
+    r = rig(answer("Bonjour", "!"))
+    got = await r.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi in French"}], max_tokens=4
+    )
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == "Bonjour!"
+    assert got.choices[0].finish_reason == "stop"
+    assert got.usage is not None and got.usage.completion_tokens == 2
+
+
+async def test_streamed_completion_is_sse_then_done(rig: Callable[..., Rig]) -> None:
+    # The decode's chunk (index 1) overtakes prefill's first token (index 0).
+    r = rig(replies(admitted("r"), chunk("r", 1, 11, " world"), chunk("r", 0, 10, "Hello"),
+                    chunk("r", 2, 12, "!"), final("r", 3)))  # fmt: skip
+    resp = await r.post(
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == "Hello world!"
+    assert texts[0] == "Hello world"  # held until index 0 arrived, then in order
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "stop" and set(finishes[:-1]) == {None}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_streamed_chat_read_by_the_openai_client(rig: Callable[..., Rig]) -> None:
+    r = rig(answer("The", " moon", " rises"))
+    stream = await r.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "haiku"}], stream=True
+    )
+    deltas = [c async for c in stream]
+    assert all(c.object == "chat.completion.chunk" for c in deltas)
+    assert deltas[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in deltas)
+    assert text == "The moon rises"
+    assert deltas[-1].choices[0].finish_reason == "stop"
+
+
+# --- rejections, failures, timeouts, cancels ------------------------------------------------------
+
+
+def rejection(reason: str, detail: str) -> Script:
+    return replies({"type": "request.rejected", "reason": reason, "detail": detail,
+                    "stage": "admission"})  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_overload_rejection_is_429_with_retry_after(
+    rig: Callable[..., Rig], stream: bool
+) -> None:
+    r = rig(rejection("ttft_slo", "predicted TTFT 41.0 s > SLO 30.0 s"))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x", "stream": stream})
+    assert resp.status_code == 429
+    assert resp.headers["retry-after"] == "7"
+    err = error_of(resp)
+    assert err["code"] == "ttft_slo" and err["type"] == "rate_limit_error"
+    assert "predicted TTFT 41.0 s" in err["message"]
+    await r.gateway.drain()
+    assert r.backend.cancels == []  # a rejected request is over already
+
+
+async def test_rejection_seen_by_the_openai_client(rig: Callable[..., Rig]) -> None:
+    r = rig(rejection("decode_overloaded", "predicted TBT 0.3 s > 0.1 s"))
+    with pytest.raises(openai.RateLimitError) as caught:
+        await r.openai().completions.create(model=MODEL, prompt="x", stream=True)
+    assert caught.value.status_code == 429
+    assert caught.value.response.headers["retry-after"] == "7"
+    assert "decode_overloaded" in str(caught.value)
+
+
+async def test_invalid_request_rejection_is_400(rig: Callable[..., Rig]) -> None:
+    r = rig(rejection("invalid_request", "token id 99999 is outside the vocabulary"))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": [99999]})
+    assert resp.status_code == 400
+    assert "outside the vocabulary" in error_of(resp)["message"]
+    assert "retry-after" not in resp.headers
+
+
+async def test_failure_is_500_with_the_reason(rig: Callable[..., Rig]) -> None:
+    r = rig(replies(admitted("r"), final("r", 0, "failed", "prefill: out of memory")))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 500
+    assert "out of memory" in error_of(resp)["message"]
+
+
+async def test_failure_mid_stream_is_an_error_event(rig: Callable[..., Rig]) -> None:
+    r = rig(replies(admitted("r"), chunk("r", 0, 1, "Hi"), final("r", 1, "failed", "decode died")))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+    assert resp.status_code == 200  # the stream had started
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "the request failed: decode died"
+    with pytest.raises(openai.APIError, match="decode died"):
+        stream = await r.openai().completions.create(model=MODEL, prompt="x", stream=True)
+        async for _ in stream:
+            pass
+
+
+async def test_timeout_is_504_and_cancels_the_request(rig: Callable[..., Rig]) -> None:
+    r = rig(replies(admitted("r"), chunk("r", 0, 1, "Hi"), HANG), request_timeout_s=0.5)
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 504
+    assert error_of(resp)["code"] == "timeout"
+    await r.gateway.drain()
+    assert r.backend.cancels == [(resp.headers["x-request-id"], "timeout")]
+
+
+async def test_client_disconnect_mid_stream_cancels_the_request(rig: Callable[..., Rig]) -> None:
+    going_on = asyncio.Event()
+
+    async def endless(rid: str, sub: Submission) -> AsyncIterator[Any]:
+        yield admitted(rid)
+        yield chunk(rid, 0, 1, "Once")
+        await going_on.wait()  # the model is still generating
+        yield final(rid, 1)
+
+    r = rig(endless)
+    body = json.dumps({"model": MODEL, "prompt": "x", "stream": True}).encode()
+    gone = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if b"Once" in message.get("body", b""):
+            gone.set()  # the client hangs up after the first text
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5000), "server": ("gw", 80),
+    }  # fmt: skip
+    await asyncio.wait_for(r.app(scope, receive, send), 5)  # type: ignore[arg-type]
+    await r.gateway.drain()
+    assert sent[0]["status"] == 200
+    ((rid, _),) = r.backend.submitted
+    assert r.backend.cancels == [(rid, "client_disconnected")]
+    assert r.backend.closed == [rid]  # it stopped following the reply subject
+
+
+async def test_bus_down_is_503(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    r.backend.connected = False
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 503
+    health = await r.http.get("/health")
+    assert health.status_code == 503 and health.json()["nats"] is False
+    r.backend.connected = True
+    assert (await r.http.get("/health")).status_code == 200
+
+
+# --- models, metrics, settings --------------------------------------------------------------------
+
+
+async def test_models_lists_the_configured_model(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    models = await r.openai().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert (await r.http.get(f"/v1/models/{MODEL}")).json()["id"] == MODEL
+
+
+async def test_metrics_count_requests_by_route_and_status(rig: Callable[..., Rig]) -> None:
+    def count(route: str, status: str) -> float:
+        labels = {"route": route, "status": status}
+        return REGISTRY.get_sample_value("mc_gateway_requests_total", labels) or 0.0
+
+    r = rig(rejection("ttft_slo", "slow"))
+    before = (count("/v1/completions", "429"), count("/v1/completions", "400"))
+    await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    await r.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1})
+    assert count("/v1/completions", "429") == before[0] + 1
+    assert count("/v1/completions", "400") == before[1] + 1
+    text = (await r.http.get("/metrics")).text
+    assert 'mc_gateway_request_seconds_count{route="/v1/completions"}' in text
+    await r.http.get("/v1/x/../random")
+    assert REGISTRY.get_sample_value(
+        "mc_gateway_requests_total", {"route": "other", "status": "404"}
+    )
+
+
+def test_gateway_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_GATEWAY__PORT", "9123")
+    monkeypatch.setenv("MOONCAKE_GATEWAY__RETRY_AFTER_S", "5")
+    s = Settings()
+    assert (s.gateway.host, s.gateway.port, s.gateway.retry_after_s) == ("127.0.0.1", 9123, 5)
+    opts = GatewayOptions.from_settings(s)
+    assert opts.model_id == s.model_id and opts.retry_after_s == 5
