@@ -54,7 +54,8 @@ Readings of the pseudo-code (documented because the paper leaves them open):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
 from typing import Any
 
 from mooncake.core.block_index import PrefixMatch
@@ -153,8 +154,12 @@ class Decision:
     extra: tuple[tuple[str, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable; what `RequestAdmitted.inputs` / `RequestRejected.inputs` hold."""
-        d = asdict(self)
+        """JSON-serialisable; what `RequestAdmitted.inputs` / `RequestRejected.inputs` hold.
+
+        Built field by field (the Conductor calls it for every decision; `asdict`'s deep
+        copy was a tenth of its time per request), with the same result as `asdict`."""
+        d = {name: getattr(self, name) for name in _DECISION_FIELDS}
+        d["config"] = _config_dict(self.config)
         d["reason"] = self.reason.value if self.reason is not None else None
         d["candidates"] = [list(c) for c in self.candidates]
         d["decode_candidates"] = [list(c) for c in self.decode_candidates]
@@ -166,6 +171,19 @@ class Decision:
                 "sources": list(self.copy.sources),
             }
         return d
+
+
+_DECISION_FIELDS = tuple(f.name for f in fields(Decision))
+
+
+@lru_cache(maxsize=16)
+def _config_dict_cached(config: ConductorConfig) -> dict[str, Any]:
+    return asdict(config)
+
+
+def _config_dict(config: ConductorConfig) -> dict[str, Any]:
+    """The config as a dict: one Conductor decides under one config, so it is built once."""
+    return dict(_config_dict_cached(config))
 
 
 def prefix_tokens(blocks: int, prompt_tokens: int, block_tokens: int) -> int:

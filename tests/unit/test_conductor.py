@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pytest
 from hypothesis import given, settings
@@ -130,6 +130,19 @@ def test_decision_is_json_serialisable_into_the_event() -> None:
     assert inputs["prefill_instance"] == d.prefill_instance and len(inputs["candidates"]) == 3
     event = RequestAdmitted(request_id="r", policy=d.policy, inputs=inputs)
     assert event.inputs["config"]["balancing_threshold"] == 2.0
+
+
+def test_decision_dict_has_every_field_as_asdict_would() -> None:
+    v = view()
+    v.apply(cl.BlocksStored("p2", KEYS[:2]), 0.0)
+    d = decide(v, req(), CFG, COSTS, 0.0)
+    fast, deep = d.to_dict(), asdict(d)
+    assert set(fast) == set(deep)
+    for name in ("request_id", "prefill_instance", "decode_instance", "predicted_ttft_s"):
+        assert fast[name] == deep[name]
+    assert fast["config"] == deep["config"]
+    fast["config"]["ttft_slo_s"] = -1.0  # one decision's dict never changes another's
+    assert d.to_dict()["config"]["ttft_slo_s"] == CFG.ttft_slo_s
 
 
 # --- laws ----------------------------------------------------------------------------------------
