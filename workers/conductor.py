@@ -153,13 +153,6 @@ class Conductor:
             entry = await self._ids.get(key)
             return entry.value == request.event_id.encode()
 
-    async def handle(self, d: Delivery) -> Outcome:
-        """One submission (the batch handler does the same for many at once)."""
-        judged = self._judge(d)
-        if isinstance(judged, ev.RequestSubmitted):
-            return await self._admit(judged, d)
-        return await judged
-
     def _prompt_tokens(self, request: ev.RequestSubmitted) -> list[int] | str:
         """The prompt's token ids, or why there are none (an invalid_request detail)."""
         if request.token_ids is not None:
@@ -177,12 +170,6 @@ class Conductor:
         if (bad := max(tokens)) >= self._vocab:
             return f"token id {bad} is outside the model's vocabulary of {self._vocab}"
         return tokens
-
-    async def _admit(self, request: ev.RequestSubmitted, d: Delivery) -> Outcome:
-        if not await self._fresh(request, d.num_delivered):
-            return ACK
-        plan = self._plan(request, d)
-        return await self._emit(request, plan)
 
     async def _fresh(self, request: ev.RequestSubmitted, delivered: int = 1) -> bool:
         """Not a duplicate submission, and not already ended (cancelled before admission).
@@ -220,7 +207,13 @@ class Conductor:
                 d.num_delivered, s.conductor.no_instance_wait_s, s.bus.max_deliver
             )
             if delay is not None:
-                return Retry("no prefill or decode instance yet", delay)
+                alive = self.liveness.alive("prefill") and self.liveness.alive("decode")
+                why = (
+                    "no decode instance has KV room"
+                    if alive
+                    else "no prefill or decode instance yet"
+                )
+                return Retry(why, delay)
         inputs = self._inputs(request, decision)
         if not decision.admitted:
             return (dispatch.rejected_event(request, decision, inputs), decision.stage)
@@ -231,27 +224,6 @@ class Conductor:
         self.known.add(request.request_id, Known(request.reply_to, admitted.event_id))
         work = dispatch.prefill_work(request, decision, tokens, admitted.event_id, s.block_tokens)
         return (admitted, work)
-
-    async def _emit(self, request: ev.RequestSubmitted, plan: Plan) -> Outcome:
-        if isinstance(plan, Retry):
-            return plan
-        first, second = plan
-        if isinstance(first, ev.RequestRejected):
-            assert isinstance(second, str)
-            await self._publish_outcome(request, first, second)
-            return ACK
-        assert isinstance(first, ev.RequestAdmitted) and isinstance(second, PrefillWork)
-        # The admission is recorded before its work exists (the record's order).
-        await self._ctx.publisher.publish(first)
-        headers = {MSG_ID: dispatch.prefill_work_msg_id(request.event_id)}
-        inject_headers(headers)  # the request's trace continues on the prefill instance
-        await self._ctx.js.publish(
-            self._subjects.prefill(second.prefill_instance), second.to_json(), headers=headers
-        )
-        metrics.REQUESTS_ADMITTED.labels(first.policy).inc()
-        if request.reply_to:
-            await self._ctx.nc.publish(request.reply_to, first.to_json())
-        return ACK
 
     async def handle_batch(self, batch: list[Delivery]) -> list[Outcome]:
         """A batch of submissions: the I/O of different requests overlaps (dedupe and
@@ -284,18 +256,73 @@ class Conductor:
                         except Exception as exc:
                             outcomes[i] = _failed(spans[i], exc)
 
-            async def emit(i: int) -> None:
-                with trace.use_span(spans[i], end_on_exit=False):
-                    outcomes[i] = await self._emit(*plans[i])
-
-            done = await asyncio.gather(*(emit(i) for i in plans), return_exceptions=True)
-            for i, res in zip(plans, done, strict=True):
-                if isinstance(res, BaseException):
-                    outcomes[i] = _failed(spans[i], res)
+            await self._emit_batch(plans, spans, outcomes)
             return outcomes
         finally:
             for span in spans:
                 span.end()
+
+    async def _emit_batch(
+        self,
+        plans: dict[int, tuple[ev.RequestSubmitted, Plan]],
+        spans: list[trace.Span],
+        outcomes: list[Outcome],
+    ) -> None:
+        """Publish the decisions of a batch, pipelined (`Publisher.publish_batch`): first
+        every decision event, then the work of those admitted (an admission is recorded
+        before its work exists), then the replies. A message that cannot be published
+        leaves its submission to be retried; the others go on."""
+        pub = self._ctx.publisher
+        decided: list[tuple[int, ev.RequestSubmitted, ev.RequestAdmitted | ev.RequestRejected]] = []
+        works: dict[int, PrefillWork] = {}
+        stages: dict[int, str] = {}
+        items = []
+        for i, (request, plan) in plans.items():
+            if isinstance(plan, Retry):
+                outcomes[i] = plan
+                continue
+            first, second = plan
+            if isinstance(second, PrefillWork):
+                works[i] = second
+            else:
+                stages[i] = second
+            with trace.use_span(spans[i], end_on_exit=False):
+                items.append(pub.prepare(first))
+            decided.append((i, request, first))
+        results = await pub.publish_batch(items)
+        work_items: list[tuple[str, bytes, dict[str, str]]] = []
+        work_of: list[int] = []
+        for (i, request, event), result in zip(decided, results, strict=True):
+            if isinstance(result, BaseException):
+                outcomes[i] = _failed(spans[i], result)
+                continue
+            pub.count(event.type)
+            if i in works:
+                work = works[i]
+                headers = {MSG_ID: dispatch.prefill_work_msg_id(request.event_id)}
+                with trace.use_span(spans[i], end_on_exit=False):
+                    inject_headers(headers)  # the trace continues on the prefill instance
+                subject = self._subjects.prefill(work.prefill_instance)
+                work_items.append((subject, work.to_json(), headers))
+                work_of.append(i)
+            else:
+                assert isinstance(event, ev.RequestRejected)
+                metrics.REQUESTS_REJECTED.labels(stages[i], event.reason.value).inc()
+                await self._reply(request, event)
+        for i, result in zip(work_of, await pub.publish_batch(work_items), strict=True):
+            if isinstance(result, BaseException):
+                outcomes[i] = _failed(spans[i], result)
+                continue
+            request, plan = plans[i]
+            admitted = plan[0]  # type: ignore[index]
+            metrics.REQUESTS_ADMITTED.labels(admitted.policy).inc()
+            await self._reply(request, admitted)
+
+    async def _reply(self, request: ev.RequestSubmitted, event: ev.Event) -> None:
+        """The decision to the client too (core NATS: best effort, the record has it)."""
+        if request.reply_to:
+            with contextlib.suppress(Exception):
+                await self._ctx.nc.publish(request.reply_to, event.to_json())
 
     def _judge(self, d: Delivery) -> ev.RequestSubmitted | Awaitable[Outcome]:
         """The accepted request, or (an awaitable of) the outcome of one that is not."""
@@ -333,14 +360,6 @@ class Conductor:
                 "decode": self.liveness.alive("decode"),
             },
         }
-
-    async def _publish_outcome(
-        self, request: ev.RequestSubmitted, rejected: ev.RequestRejected, stage: str
-    ) -> None:
-        await self._ctx.publisher.publish(rejected)
-        metrics.REQUESTS_REJECTED.labels(stage, rejected.reason.value).inc()
-        if request.reply_to:
-            await self._ctx.nc.publish(request.reply_to, rejected.to_json())
 
     async def cancel(self, d: Delivery) -> Outcome:
         event = ev.parse_event(d.data, subject=self._ctx.ns.canonical(d.subject))

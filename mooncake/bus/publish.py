@@ -106,6 +106,10 @@ class Publisher:
             self.ns.of(event), event.to_json(), headers, event.type
         )
 
+    def count(self, type_: str) -> None:
+        """Count an event published through `publish_batch` (which cannot know its type)."""
+        self._count(type_)
+
     def _count(self, type_: str) -> None:
         child = self._published.get(type_)
         if child is None:
@@ -154,36 +158,63 @@ class Publisher:
             return None
         return self._give_up_s
 
-    async def publish_many(self, events: Sequence[Event]) -> list[PubAck]:
-        """Pipelined publish of many events (each still deduplicated by its id).
+    def prepare(self, event: Event) -> tuple[str, bytes, dict[str, str]]:
+        """Subject, payload and headers of an event, stamped with the current span's context
+        (call it inside the span the event belongs to)."""
+        event, headers = self._prepare(event)
+        return self.ns.of(event), event.to_json(), headers
 
-        Events are sent without waiting for each ack; any that fail are retried one by one.
-        Ordering is preserved only for events of the same request when sent in order.
-        """
-        futures: list[asyncio.Future[PubAck]] = []
-        prepared: list[tuple[Event, dict[str, str]]] = []
-        for event in events:
-            event, headers = self._prepare(event)
-            prepared.append((event, headers))
-            fut = await self._js.publish_async(
-                self.ns.of(event), event.to_json(), wait_stall=self._stall_limit(), headers=headers
-            )
-            futures.append(fut)
-        if futures:
-            _, late = await asyncio.wait(futures, timeout=self._timeout_s)
-            for fut in late:
-                fut.cancel()
-        acks: list[PubAck] = []
-        for (event, headers), fut in zip(prepared, futures, strict=True):
-            result = None if fut.cancelled() else fut.exception() or fut.result()
-            if isinstance(result, PubAck):
-                acks.append(result)
-            else:
-                log.debug("pipelined publish of %s failed (%s); retrying", event.event_id, result)
-                acks.append(
-                    await self._publish_with_retry(
-                        self.ns.of(event), event.to_json(), headers, event.type
+    async def publish_batch(
+        self, items: Sequence[tuple[str, bytes, dict[str, str]]]
+    ) -> list[PubAck | BaseException]:
+        """Pipelined publish: every message is sent before any ack is awaited; one that
+        fails is retried on its own with the same message id (dedupe drops a copy that did
+        land). A result per message, in order: its ack, or the exception it still failed
+        with (never raised, so one bad message does not fail the others)."""
+        futures: list[asyncio.Future[PubAck] | BaseException] = []
+        for subject, payload, headers in items:
+            try:
+                futures.append(
+                    await self._js.publish_async(
+                        subject, payload, wait_stall=self._stall_limit(), headers=headers
                     )
                 )
+            except Exception as exc:  # no slot within give_up_s, or disconnected
+                futures.append(exc)
+        pending = [f for f in futures if isinstance(f, asyncio.Future)]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self._timeout_s)
+            for late_fut in late:
+                late_fut.cancel()
+        results: list[PubAck | BaseException] = []
+        for (subject, payload, headers), sent in zip(items, futures, strict=True):
+            first: PubAck | BaseException
+            if isinstance(sent, asyncio.Future):
+                first = TimeoutError() if sent.cancelled() else sent.exception() or sent.result()
+            else:
+                first = sent
+            if isinstance(first, PubAck):
+                results.append(first)
+                continue
+            log.debug("pipelined publish to %s failed (%s); retrying", subject, first)
+            try:
+                type_ = headers.get(TYPE_HEADER, "raw")
+                results.append(await self._publish_with_retry(subject, payload, headers, type_))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    async def publish_many(self, events: Sequence[Event]) -> list[PubAck]:
+        """Pipelined publish of many events (each still deduplicated by its id); raises the
+        first failure that retries could not cure.
+
+        Ordering is preserved only for events of the same request when sent in order.
+        """
+        results = await self.publish_batch([self.prepare(e) for e in events])
+        acks: list[PubAck] = []
+        for event, result in zip(events, results, strict=True):
+            if isinstance(result, BaseException):
+                raise result
             self._count(event.type)
+            acks.append(result)
         return acks

@@ -43,6 +43,28 @@ async def test_publish_is_deduplicated_by_event_id(settings: Settings) -> None:
         await nc.close()
 
 
+async def test_publish_batch_gives_each_message_its_own_result(settings: Settings) -> None:
+    """One message that cannot land (no stream takes its subject) fails alone: the others
+    are acked, in order, and a repeated event is acked as a duplicate."""
+    ns = ev.Namespace(settings.namespace)
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, settings)
+        pub = Publisher(nc, js, ns, timeout_s=1.0, give_up_s=0.5)
+        a = ev.RequestSubmitted(request_id="batch-a", prompt="a")
+        b = ev.RequestSubmitted(request_id="batch-b", prompt="b")
+        nowhere = ("no-stream-has.this.subject", b"x", {"Nats-Msg-Id": "nowhere-1"})
+        results = await pub.publish_batch([pub.prepare(a), nowhere, pub.prepare(b), pub.prepare(a)])
+        assert [type(r).__name__ for r in results][0] == "PubAck"
+        assert isinstance(results[1], Exception)
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        assert len(ok) == 3 and ok[0].seq < ok[1].seq
+        assert ok[2].duplicate and ok[2].seq == ok[0].seq
+    finally:
+        await nc.close()
+
+
 async def test_retry_then_dead_letter_and_good_messages_flow(settings: Settings) -> None:
     ns = ev.Namespace(settings.namespace)
     bus = BusSettings(max_deliver=3, nak_base_delay_s=0.01, nak_max_delay_s=0.05)
