@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -566,3 +568,22 @@ def test_gateway_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert (s.gateway.host, s.gateway.port, s.gateway.retry_after_s) == ("127.0.0.1", 9123, 5)
     opts = GatewayOptions.from_settings(s)
     assert opts.model_id == s.model_id and opts.retry_after_s == 5
+
+
+def test_up_gives_the_gateway_its_port_or_a_free_one(tmp_path: Path) -> None:
+    from mooncake.stack import LAYOUT, Stack, gateway_port
+
+    assert ("gateway", 1) in LAYOUT
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        other = gateway_port("127.0.0.1", busy)
+        assert other != busy and other > 0
+    assert gateway_port("127.0.0.1", busy) == busy  # free again: the configured port
+    assert gateway_port("127.0.0.1", 0) > 0
+    stack = Stack(Settings(data_dir=tmp_path, gateway={"port": busy}))
+    assert stack.gateway_port is None and stack.gateway_url is None  # chosen when it starts
+    stack.gateway_port = busy
+    assert stack.child_env()["MOONCAKE_GATEWAY__PORT"] == str(busy)
+    assert stack.gateway_url == f"http://127.0.0.1:{busy}/v1"
