@@ -56,7 +56,6 @@ async def test_publish_batch_gives_each_message_its_own_result(settings: Setting
         b = ev.RequestSubmitted(request_id="batch-b", prompt="b")
         nowhere = ("no-stream-has.this.subject", b"x", {"Nats-Msg-Id": "nowhere-1"})
         results = await pub.publish_batch([pub.prepare(a), nowhere, pub.prepare(b), pub.prepare(a)])
-        assert [type(r).__name__ for r in results][0] == "PubAck"
         assert isinstance(results[1], Exception)
         ok = [r for r in results if not isinstance(r, BaseException)]
         assert len(ok) == 3 and ok[0].seq < ok[1].seq
