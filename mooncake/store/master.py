@@ -280,11 +280,16 @@ class StoreMaster:
         if not changes:
             return
         per_node: dict[str, list[p.NodeUpdate]] = defaultdict(list)
+        # Every field given: model_construct would otherwise resolve the default factories
+        # (an id and a timestamp) through signature inspection, for every event.
+        now = ev.utcnow()
         for c in changes:
             match c:
                 case ms.ObjectStored(key=key, size=size, replicas=reps, pin=pin):
                     self._journal.append(
                         ev.KvObjectStored.model_construct(
+                            event_id=ev.new_event_id(),
+                            occurred_at=now,
                             key=key,
                             size_bytes=size,
                             replicas=[_journal_replica(r) for r in reps],
@@ -295,7 +300,11 @@ class StoreMaster:
                         per_node[node].append(self._node_view(key, node))
                 case ms.ObjectRemoved(key=key, reason=reason, nodes=nodes):
                     metrics.STORE_EVICTIONS.labels(reason).inc()
-                    self._journal.append(ev.KvObjectRemoved.model_construct(key=key, reason=reason))
+                    self._journal.append(
+                        ev.KvObjectRemoved.model_construct(
+                            event_id=ev.new_event_id(), occurred_at=now, key=key, reason=reason
+                        )
+                    )
                     for node in nodes:
                         per_node[node].append(p.NodeUpdate(key=key, held=[]))
                 case ms.ReplicaDropped(key=key, replica=r):
