@@ -173,6 +173,27 @@ class Settings(BaseSettings):
     )
 
     nats_url: str = "nats://127.0.0.1:4222"
+    # NATS authentication (deploy/nats/auth.conf defines one user per role; none of these is
+    # needed against a broker without auth, e.g. the embedded one). Use one scheme: user +
+    # password (or password_file, e.g. a docker secret), a token, or a .creds file (JWT +
+    # nkey, decentralized auth).
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    nats_password_file: Path | None = None
+    nats_token: SecretStr | None = None
+    nats_creds: Path | None = None
+    # TLS: a CA to verify the server (implies TLS), and a client certificate + key where the
+    # server verifies clients. A `tls://` nats_url also turns TLS on (system CAs).
+    nats_tls_ca: Path | None = None
+    nats_tls_cert: Path | None = None
+    nats_tls_key: Path | None = None
+    # Prefix of this connection's reply inboxes. Default: `_INBOX.<nats_user>` when a user is
+    # set (the per-role permissions let each user subscribe to its own inboxes only), else
+    # NATS's `_INBOX`.
+    nats_inbox_prefix: (
+        Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=128)]
+        | None
+    ) = None
     # Prefix of every subject ("mc.req.submitted") and stream ("MC_REQ"): deployments with
     # different namespaces share a NATS server without seeing each other's messages.
     namespace: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,30}$")] = "mc"
