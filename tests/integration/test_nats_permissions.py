@@ -468,21 +468,11 @@ async def test_gateway_cannot_create_missing_streams(tmp_path: Path) -> None:
 
 
 def make_certs(out: Path) -> dict[str, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
-    ca_key, ca, key, csr, cert = (out / n for n in ("ca.key", "ca.pem", "s.key", "s.csr", "s.pem"))
-    ext = out / "san.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-        "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
-        "-keyout", str(key), "-out", str(csr))  # fmt: skip
-    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
-        "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", str(cert))  # fmt: skip
-    return {"ca": ca, "cert": cert, "key": key}
+    """The dev CA and server certificate deploy/nats/make-dev-certs.sh makes (compose's TLS
+    switch uses the same script), valid for localhost and 127.0.0.1 too."""
+    script = DEPLOY / "make-dev-certs.sh"
+    subprocess.run(["sh", str(script), str(out)], check=True, capture_output=True, timeout=120)
+    return {"ca": out / "ca.pem", "cert": out / "server.pem", "key": out / "server-key.pem"}
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
