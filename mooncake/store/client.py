@@ -49,9 +49,6 @@ class ClientConfig:
     request_timeout_s: float = 5.0
     # How long a put keeps retrying while the master makes room (an SSD offload in flight).
     retry_later_s: float = 2.0
-    # A put batch larger than twice this many bytes is pipelined in chunks of about this
-    # size (at least an eighth of the batch): control round trips overlap the copies.
-    pipeline_bytes: int = 4 << 20
 
 
 @dataclass
@@ -60,24 +57,6 @@ class _Op:
     key: str
     buf: memoryview
     candidates: list[tuple[str, str, Region]]  # (transport, endpoint, region), best first
-
-
-def _chunks(todo: list[int], sizes: list[int], chunk_bytes: int) -> list[list[int]]:
-    """`todo` split in order into chunks of about `chunk_bytes` (at least total / 8); one
-    chunk when the batch is under two chunks' worth."""
-    total = sum(sizes)
-    if total < 2 * chunk_bytes:
-        return [todo]
-    target = max(chunk_bytes, total // 8)
-    chunks: list[list[int]] = [[]]
-    filled = 0
-    for i, size in zip(todo, sizes, strict=True):
-        if chunks[-1] and filled + size > target:
-            chunks.append([])
-            filled = 0
-        chunks[-1].append(i)
-        filled += size
-    return chunks
 
 
 class StoreClient:
@@ -232,92 +211,49 @@ class StoreClient:
         preferred_segment: str | None,
         placement: Placement,
     ) -> list[int]:
-        """One attempt at the items in `todo`; returns those to retry (the master asked to
-        retry later).
-
-        A large batch is pipelined in chunks: the master allocates the next chunk while
-        this one is copied, and the copied chunk is ended (made visible) while the next one
-        is copied, so the control plane's round trips overlap the data movement instead of
-        adding to it. Each object is still visible only once all its replicas are written.
-        """
-        chunks = _chunks(todo, [len(bufs[i]) for i in todo], self.config.pipeline_bytes)
-
-        def start(chunk: list[int]) -> asyncio.Task[p.PutStartReply]:
-            req = p.PutStartRequest(
-                items=[
-                    p.PutItem(
-                        key=items[i][0],
-                        size=len(bufs[i]),
-                        replicas=replicas,
-                        pin=pin,
-                        preferred_segment=preferred_segment,
-                        placement=placement,
-                    )
-                    for i in chunk
-                ]
-            )
-            return asyncio.create_task(self._call("put_start", req, p.PutStartReply))
-
-        def keys(idx: list[int]) -> p.KeysRequest:
-            return p.KeysRequest(keys=[items[i][0] for i in idx])
-
+        req = p.PutStartRequest(
+            items=[
+                p.PutItem(
+                    key=items[i][0],
+                    size=len(bufs[i]),
+                    replicas=replicas,
+                    pin=pin,
+                    preferred_segment=preferred_segment,
+                    placement=placement,
+                )
+                for i in todo
+            ]
+        )
+        started = await self._call("put_start", req, p.PutStartReply)
+        ops: list[_Op] = []
+        op_item: list[int] = []
         retry: list[int] = []
-        starts = [start(chunks[0])]
-        enders: list[tuple[list[int], asyncio.Task[p.ResultsReply]]] = []
-        revokes: list[asyncio.Task[p.ResultsReply]] = []
-        try:
-            for k, chunk in enumerate(chunks):
-                if k + 1 < len(chunks):
-                    starts.append(start(chunks[k + 1]))
-                started = await starts[k]
-                ops: list[_Op] = []
-                op_item: list[int] = []
-                for i, res in zip(chunk, started.results, strict=True):
-                    if isinstance(res, p.Refused):
-                        results[i] = res
-                        if res.reason is Reason.RETRY_LATER:
-                            retry.append(i)
-                        continue
-                    for r in res.replicas:
-                        route = self._route(started.segments.get(r.segment_id, {}))
-                        region = Region(r.segment_id, r.offset, r.size)
-                        ops.append(
-                            _Op(i, items[i][0], bufs[i], [(n, ep, region) for n, ep in route])
-                        )
-                        op_item.append(i)
-                written = await self._run(ops, "write") if ops else []
-                failed = {op_item[j] for j, ok in enumerate(written) if not ok}
-                done = sorted({i for i in op_item if i not in failed})
-                for i in failed:
-                    results[i] = p.Refused(
-                        reason=Reason.NO_SPACE, detail="a replica could not be written"
-                    )
-                if failed:
-                    revokes.append(
-                        asyncio.create_task(
-                            self._call("put_revoke", keys(sorted(failed)), p.ResultsReply)
-                        )
-                    )
-                if done:
-                    enders.append(
-                        (
-                            done,
-                            asyncio.create_task(self._call("put_end", keys(done), p.ResultsReply)),
-                        )
-                    )
-            for done, task in enders:
-                ended = await task
-                for i, outcome in zip(done, ended.results, strict=True):
-                    results[i] = outcome
-            for task in revokes:
-                await task
-        finally:
-            # A failure part way (the master gone) must not leave calls running unobserved.
-            pending: list[asyncio.Task[Any]] = [*starts, *(t for _, t in enders), *revokes]
-            for task in pending:
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        for i, res in zip(todo, started.results, strict=True):
+            if isinstance(res, p.Refused):
+                results[i] = res
+                if res.reason is Reason.RETRY_LATER:
+                    retry.append(i)
+                continue
+            for r in res.replicas:
+                route = self._route(started.segments.get(r.segment_id, {}))
+                region = Region(r.segment_id, r.offset, r.size)
+                ops.append(_Op(i, items[i][0], bufs[i], [(n, ep, region) for n, ep in route]))
+                op_item.append(i)
+        written = await self._run(ops, "write") if ops else []
+        failed = {op_item[j] for j, ok in enumerate(written) if not ok}
+        done = sorted({i for i in op_item if i not in failed})
+        for i in failed:
+            results[i] = p.Refused(reason=Reason.NO_SPACE, detail="a replica could not be written")
+        if failed:
+            await self._call(
+                "put_revoke", p.KeysRequest(keys=[items[i][0] for i in failed]), p.ResultsReply
+            )
+        if done:
+            ended = await self._call(
+                "put_end", p.KeysRequest(keys=[items[i][0] for i in done]), p.ResultsReply
+            )
+            for i, outcome in zip(done, ended.results, strict=True):
+                results[i] = outcome
         return retry
 
     # --- get --------------------------------------------------------------------------------

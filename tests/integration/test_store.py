@@ -148,31 +148,6 @@ async def test_batches_and_zero_copy_buffers(cluster: Cluster) -> None:
         await client.get_into("np", bytearray(10))
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-async def test_a_large_batch_is_pipelined_in_chunks_and_every_object_lands(
-    cluster: Cluster, transport: str
-) -> None:
-    """A batch over twice `pipeline_bytes` is put chunk by chunk (put_start of the next chunk
-    and put_end of the last overlap the copies); one object refused in the middle (it
-    already exists) leaves the others stored, each readable with its own bytes."""
-    await cluster.add_node("n1", dram=32 * MiB, transports=("shm", "tcp"))
-    client = StoreClient(
-        cluster.nc,
-        cluster.ns,
-        ClientConfig(SECRET, (transport,), request_timeout_s=2.0, pipeline_bytes=256 * 1024),
-    )
-    cluster.clients.append(client)
-    assert await client.put("b-5", blob(100, 99)) is None  # taken before the batch
-    items = [(f"b-{i}", blob(200_000 + i, i)) for i in range(12)]
-    results = await client.put_many(items)
-    assert [r is None for r in results] == [i != 5 for i in range(12)]
-    assert results[5] is not None and results[5].reason is Reason.EXISTS
-    got = await client.get_many([k for k, _ in items])
-    for i, ((_, data), g) in enumerate(zip(items, got, strict=True)):
-        assert g is not None
-        assert bytes(g) == (blob(100, 99) if i == 5 else data)
-
-
 async def test_readers_never_see_a_pending_put(cluster: Cluster) -> None:
     await cluster.add_node("n1")
     client = cluster.client(("tcp",))
