@@ -8,11 +8,12 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
+from rich.live import Live
 
 from mooncake.cli_common import console, err, settings_or_exit
 from mooncake.commands.bench import bench_app
@@ -50,21 +51,12 @@ def _require_db(settings: Settings) -> str:
 # --- up / demo / worker ----------------------------------------------------------------------
 
 
-def _status_table(stack: object) -> Table:
-    table = Table(title="mooncake")
-    for col in ("component", "address", "state"):
-        table.add_column(col)
-    for row in stack.status_rows():  # type: ignore[attr-defined]
-        table.add_row(*row)
-    return table
-
-
 @app.command()
 def up(
     workers: Annotated[bool, typer.Option(help="Start the worker processes")] = True,
 ) -> None:
     """Start what is missing (broker, database), migrate, start every worker; Ctrl-C stops."""
-    from mooncake.stack import Stack
+    from mooncake.stack import Stack, status_table
 
     settings = settings_or_exit()
     stack = Stack(settings)
@@ -73,19 +65,21 @@ def up(
             stack.start_infrastructure()
         if workers:
             stack.start_workers()
-        console.print(_status_table(stack))
         console.print(
             f'logs in {settings.data_dir / "logs"}; `mooncake submit "hello"` in another '
             "terminal; Ctrl-C to stop"
         )
-        _wait_for_signal(stack)
+        # A live table on a terminal (refreshed every second); elsewhere (a pipe, a log) the
+        # table is printed once now and once at shutdown.
+        with Live(status_table(stack), console=console, refresh_per_second=1) as live:
+            _wait_for_signal(stack, lambda: live.update(status_table(stack)))
     finally:
         with console.status("stopping"):
             stack.stop()
         console.print("stopped")
 
 
-def _wait_for_signal(stack: object) -> None:
+def _wait_for_signal(stack: object, tick: Callable[[], None] = lambda: None) -> None:
     stopping = False
 
     def _stop(*_: object) -> None:
@@ -100,6 +94,7 @@ def _wait_for_signal(stack: object) -> None:
             if not w.running:
                 err.print(f"[yellow]{w.name} exited ({w.proc.returncode}); restarting[/yellow]")
                 stack.restart(w)  # type: ignore[attr-defined]
+        tick()
 
 
 @app.command()

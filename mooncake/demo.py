@@ -31,7 +31,7 @@ from mooncake.config import Settings
 from mooncake.db import rebuild as rb
 from mooncake.db.engine import async_engine
 from mooncake.replay_live import LiveReplayOptions, run_live_replay
-from mooncake.stack import Stack
+from mooncake.stack import Stack, status_table
 
 PROMPTS = (
     "What is the capital of France?",
@@ -57,12 +57,7 @@ def run_demo(settings: Settings, console: Console, *, requests: int) -> bool:
         with console.status("starting broker, database and workers"):
             stack.start_infrastructure()
             stack.start_workers()
-        table = Table(title="mooncake up")
-        for col in ("component", "address", "state"):
-            table.add_column(col)
-        for row in stack.status_rows():
-            table.add_row(*row)
-        console.print(table)
+        console.print(status_table(stack, "mooncake up"))
         live = settings.model_copy(
             update={"nats_url": stack.nats_url, "database_url": stack.database_url}
         )

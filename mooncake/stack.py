@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
+from rich.table import Table
+
 from mooncake.config import Settings
 from mooncake.db.engine import upgrade
 from mooncake.services import (
@@ -43,6 +46,17 @@ ROLES: tuple[str, ...] = tuple(role for role, _ in LAYOUT)
 @dataclass
 class WorkerProcess(ManagedProcess):
     role: str = ""
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+
+    def rss_mb(self) -> float | None:
+        """Resident memory of the process, MiB (None when it is not running)."""
+        if not self.running or self.proc is None:
+            return None
+        try:
+            return float(psutil.Process(self.proc.pid).memory_info().rss) / (1 << 20)
+        except psutil.Error:
+            return None
 
 
 @dataclass
@@ -130,7 +144,9 @@ class Stack:
 
     def restart(self, w: WorkerProcess) -> WorkerProcess:
         self.workers.remove(w)
-        return self.start_worker(w.role, int(w.name.rsplit("-", 1)[1]))
+        fresh = self.start_worker(w.role, int(w.name.rsplit("-", 1)[1]))
+        fresh.restarts = w.restarts + 1
+        return fresh
 
     def stop(self) -> None:
         for w in reversed(self.workers):
@@ -143,18 +159,45 @@ class Stack:
         # What it pointed at is gone; a later `submit` must not chase it.
         (self.settings.data_dir / "runtime.env").unlink(missing_ok=True)
 
-    def status_rows(self) -> list[tuple[str, str, str]]:
+    def status_rows(self) -> list[tuple[str, str, str, str, str, str]]:
+        """(component, address, state, uptime, restarts, memory) for the status table."""
         rows = [
-            ("nats", self.nats_url, "embedded" if self.nats else "external"),
-            ("postgres", self.database_url, "embedded" if self.postgres else "external"),
-        ]
+            ("nats", self.nats_url, "embedded" if self.nats else "external", "", "", ""),
+            ("postgres", self.database_url, "embedded" if self.postgres else "external", "",
+             "", ""),
+        ]  # fmt: skip
+        now = time.monotonic()
         for w in self.workers:
             state = "running" if w.running else f"exited {w.proc.returncode if w.proc else '?'}"
             where = f"pid {w.proc.pid if w.proc else '-'}"
             if w.role == "gateway" and self.gateway_url:
                 where += f", {self.gateway_url}"
-            rows.append((w.name, where, state))
+            rss = w.rss_mb()
+            rows.append(
+                (
+                    w.name,
+                    where,
+                    state,
+                    _duration(now - w.started_at),
+                    str(w.restarts),
+                    f"{rss:.0f} MiB" if rss is not None else "-",
+                )
+            )
         return rows
+
+
+def status_table(stack: Stack, title: str = "mooncake") -> Table:
+    table = Table(title=title)
+    for col in ("component", "address", "state", "up", "restarts", "memory"):
+        table.add_column(col)
+    for row in stack.status_rows():
+        table.add_row(*row)
+    return table
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def gateway_port(host: str, configured: int) -> int:
