@@ -274,6 +274,11 @@ class EmbeddedPostgres(ManagedProcess):
 
     def start(self, timeout: float = 30.0) -> EmbeddedPostgres:
         self.init()
+        if self.user:
+            # Again on every start, not only at initdb: a parent's mode may have been
+            # tightened since (pytest resets /tmp/pytest-of-<user> to 0700 whenever a
+            # session starts), and a restart would then fail with "Permission denied".
+            _make_traversable(self.pgdata.parent)
         self.spawn()
         assert self.proc is not None
         _wait_for(self._accepts_connections, timeout, "postgres", self.proc)
