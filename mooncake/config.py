@@ -144,6 +144,14 @@ class ConductorSettings(BaseModel):
     balancing_threshold: Annotated[float, Field(ge=1.0)] = 2.0
     # `predicted` admission: the uniform decode time every request is assumed to take.
     uniform_decode_s: Annotated[float, Field(gt=0)] = 10.0
+    # Per-client limit on submissions that name a client (`RequestSubmitted.client_id`; the
+    # gateway names every HTTP client): a token bucket per client, over the limit rejected
+    # with `client_rate_limited`. One Conductor sees every gateway replica's traffic, so
+    # this is the global backstop to the gateways' own limits. Submissions naming no client
+    # come from tools that hold publish rights on the bus (replay, bench, `submit`) and are
+    # not limited per client. A rate of 0 turns the limit off.
+    client_rate_per_s: Annotated[float, Field(ge=0)] = 20.0
+    client_burst: Annotated[int, Field(ge=1)] = 40
 
 
 class GatewaySettings(BaseModel):
@@ -161,6 +169,11 @@ class GatewaySettings(BaseModel):
     request_timeout_s: Annotated[float, Field(gt=0)] = 300.0
     # Larger bodies are refused (413) before they are read.
     max_body_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
+    # Per-client limit on completions: a token bucket per client (the API key of an
+    # `Authorization: Bearer` header, else the remote address); over it, 429 with
+    # `Retry-After` and code `client_rate_limited`. A rate of 0 turns it off.
+    client_rate_per_s: Annotated[float, Field(ge=0)] = 10.0
+    client_burst: Annotated[int, Field(ge=1)] = 20
 
 
 class Settings(BaseSettings):

@@ -127,6 +127,8 @@ class RejectReason(StrEnum):
     PREFILL_OVERLOADED = "prefill_overloaded"
     DECODE_OVERLOADED = "decode_overloaded"
     NO_INSTANCE = "no_instance"
+    # The client (`RequestSubmitted.client_id`) sent more than its per-client limit.
+    CLIENT_RATE_LIMITED = "client_rate_limited"
 
 
 class RequestAdmitted(RequestEvent):

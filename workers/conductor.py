@@ -56,6 +56,7 @@ from mooncake.engine.errors import EngineError
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.events import RejectReason
 from mooncake.hashing import block_keys
+from mooncake.ratelimit import ClientLimits, Limit
 from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_feed import LiveFeed, Liveness, Member
 from mooncake.serving.conductor_reaper import Reaper
@@ -121,6 +122,8 @@ class Conductor:
         self._subjects = WorkSubjects(ctx.ns)
         self.view = cl.ClusterView()
         self.known = KnownRequests()
+        self._client_limit = Limit(s.conductor.client_rate_per_s, s.conductor.client_burst)
+        self._client_limits = ClientLimits(self._client_limit)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._started = clock()
         self.ender = Ender(ctx.nc, ctx.publisher, terminal_kv)
@@ -192,8 +195,36 @@ class Conductor:
             return False
         return True
 
+    def _over_client_limit(
+        self, request: ev.RequestSubmitted, d: Delivery
+    ) -> ev.RequestRejected | None:
+        """The rejection of a submission over its client's limit, or None. Only submissions
+        that name a client count, each once: a redelivery was counted when it first came."""
+        if request.client_id is None or d.num_delivered > 1:
+            return None
+        wait = self._client_limits.take(request.client_id, self._clock())
+        if wait <= 0:
+            return None
+        limit = self._client_limit
+        return ev.RequestRejected(
+            event_id=ev.derived_event_id(request.event_id, "rejected"),
+            request_id=request.request_id,
+            reason=RejectReason.CLIENT_RATE_LIMITED,
+            stage="ingress",
+            detail=f"client {request.client_id} is over its limit of {limit.rate_per_s:g} "
+            f"requests/s (burst {limit.burst:g}); retry in {wait:.2f} s",
+            inputs={
+                "client_id": request.client_id,
+                "retry_after_s": round(wait, 3),
+                "client_rate_per_s": limit.rate_per_s,
+                "client_burst": limit.burst,
+            },
+        )
+
     def _plan(self, request: ev.RequestSubmitted, d: Delivery) -> Plan:
         """The decision (pure, in arrival order: it updates the view)."""
+        if (limited := self._over_client_limit(request, d)) is not None:
+            return (limited, "ingress")
         tokens = self._prompt_tokens(request)
         if isinstance(tokens, str):
             return (dispatch.invalid_event(request, tokens), "admission")

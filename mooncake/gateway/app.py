@@ -1,24 +1,28 @@
 """The gateway's ASGI app: OpenAI's completions, chat completions and models endpoints over
 the pipeline, plus `/health` and `/metrics`.
 
-One request's life (`Call`): validate the body once (400 with the field named, 404 for a
-model this server does not serve), turn it into a submission (translate.py), publish it
-and wait for the Conductor's decision. A rejection is answered before any stream starts, so
-a client sees 429 + `Retry-After` (or 400 when the request itself was invalid) rather than a
-broken stream. Admitted: either the whole answer as one JSON body, or server-sent events as
-tokens arrive, then `data: [DONE]`. A request the client stops listening to (a stream's
-disconnect) or that outlives the timeout is cancelled in the pipeline (`mc.req.cancel`).
+One request's life (`Call`): the client's own limit first (a token bucket per API key or
+remote address: 429 `client_rate_limited` with `Retry-After`), validate the body once (400
+with the field named, 404 for a model this server does not serve), turn it into a submission
+(translate.py), publish it and wait for the Conductor's decision. A rejection is answered
+before any stream starts, so a client sees 429 + `Retry-After` (or 400 when the request
+itself was invalid) rather than a broken stream. Admitted: either the whole answer as one
+JSON body, or server-sent events as tokens arrive, then `data: [DONE]`. A request the client
+stops listening to (a stream's disconnect) or that outlives the timeout is cancelled in the
+pipeline (`mc.req.cancel`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
@@ -45,6 +49,7 @@ from mooncake.gateway.schemas import (
     SamplingFields,
     Usage,
 )
+from mooncake.ratelimit import ClientLimits, Limit, retry_after_s
 from mooncake.telemetry import tracer
 
 log = logging.getLogger("mooncake.gateway")
@@ -60,11 +65,31 @@ class GatewayOptions:
     retry_after_s: int = 2
     request_timeout_s: float = 300.0
     max_body_bytes: int = 1 << 20
+    # Per-client token bucket on the completion routes (0: off); see `client_of`.
+    client_rate_per_s: float = 10.0
+    client_burst: int = 20
 
     @classmethod
     def from_settings(cls, s: Settings) -> GatewayOptions:
         g = s.gateway
-        return cls(s.model_id, g.retry_after_s, g.request_timeout_s, g.max_body_bytes)
+        return cls(
+            s.model_id, g.retry_after_s, g.request_timeout_s, g.max_body_bytes,
+            g.client_rate_per_s, g.client_burst,
+        )  # fmt: skip
+
+
+# --- who is asking --------------------------------------------------------------------------------
+
+
+def client_of(request: Request) -> str:
+    """The client a request counts against: its API key (`Authorization: Bearer <key>`),
+    else its remote address. A subject-safe id: the key only as a digest (ids are recorded
+    with every submission; a key must never be), the address with its separators replaced."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:32]
+    host = request.client.host if request.client is not None else "unknown"
+    return "addr-" + re.sub(r"[^A-Za-z0-9_-]", "_", host)[:59]
 
 
 # --- request bodies -------------------------------------------------------------------------------
@@ -258,6 +283,24 @@ class Gateway:
         self.tokenizer = tokenizer
         self.started = int(time.time())
         self._background: set[asyncio.Task[Any]] = set()
+        self.limits = ClientLimits(Limit(options.client_rate_per_s, options.client_burst))
+        self.clock = time.monotonic
+
+    def admit_client(self, request: Request) -> str:
+        """The client's id, or 429 `client_rate_limited` when it is over its limit (checked
+        before the body is read: a flood costs as little as possible)."""
+        client = client_of(request)
+        wait = self.limits.take(client, self.clock())
+        if wait > 0:
+            after = retry_after_s(wait)
+            raise errors.ApiError(
+                429,
+                f"too many requests from this client; retry after {after} s",
+                errors.OVERLOADED,
+                code="client_rate_limited",
+                headers={"Retry-After": str(after)},
+            )
+        return client
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -390,15 +433,19 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        client = gw.admit_client(request)
         req = parse(CompletionRequest, await read_json(request, options.max_body_bytes))
         gw.check_model(req.model)
-        return await gw.answer(tr.completion_submission(req, gw.tokenizer), req, chat=False)
+        submission = tr.completion_submission(req, gw.tokenizer)
+        return await gw.answer(replace(submission, client_id=client), req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        client = gw.admit_client(request)
         req = parse(ChatCompletionRequest, await read_json(request, options.max_body_bytes))
         gw.check_model(req.model)
-        return await gw.answer(tr.chat_submission(req, gw.tokenizer), req, chat=True)
+        submission = tr.chat_submission(req, gw.tokenizer)
+        return await gw.answer(replace(submission, client_id=client), req, chat=True)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

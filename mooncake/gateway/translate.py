@@ -54,6 +54,8 @@ class Submission:
     params: ev.SamplingParams
     token_ids: list[int] | None = None
     prompt: str | None = None
+    # Who sent it (`app.client_of`): the Conductor's per-client limit counts by this.
+    client_id: str | None = None
 
 
 def sampling_params(req: SamplingFields, max_tokens: int) -> ev.SamplingParams:
