@@ -2,7 +2,8 @@
 cancellation and failure recovery.
 
 Consumes `mc.req.submitted` (durable consumer "conductor"), validates every message once
-(`mooncake.core.ingress`), turns the prompt into tokens and chained block keys, and asks the
+(`mooncake.core.ingress`), rejects a named client's submissions beyond its per-client limit
+(`client_rate_limited`), turns the prompt into tokens and chained block keys, and asks the
 core (Algorithm 1 + the configured admission policy, `mooncake.core.admission`) for a
 Decision against a ClusterView kept current from the bus (`serving.conductor_feed`). It
 publishes `mc.req.admitted` (and the `PrefillWork` on `mc.prefill.<instance>`) or
