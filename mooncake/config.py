@@ -21,6 +21,8 @@ from mooncake.namespace import Namespace
 
 DEFAULT_DATA_DIR = Path(".mooncake")
 RUNTIME_ENV = DEFAULT_DATA_DIR / "runtime.env"
+# A NATS subject without wildcards: dot-separated tokens.
+SUBJECT_PREFIX = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
 
 
 class SLO(BaseModel):
@@ -203,10 +205,7 @@ class Settings(BaseSettings):
     # Prefix of this connection's reply inboxes. Default: `_INBOX.<nats_user>` when a user is
     # set (the per-role permissions let each user subscribe to its own inboxes only), else
     # NATS's `_INBOX`.
-    nats_inbox_prefix: (
-        Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=128)]
-        | None
-    ) = None
+    nats_inbox_prefix: Annotated[str, Field(pattern=SUBJECT_PREFIX, max_length=128)] | None = None
     # Prefix of every subject ("mc.req.submitted") and stream ("MC_REQ"): deployments with
     # different namespaces share a NATS server without seeing each other's messages.
     namespace: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,30}$")] = "mc"

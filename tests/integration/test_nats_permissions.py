@@ -30,7 +30,13 @@ from nats.js.errors import NotFoundError
 
 from mooncake import events as ev
 from mooncake.bus import terminal
-from mooncake.bus.connection import NatsRefusedError, StreamSetupError, connect, ensure_streams
+from mooncake.bus.connection import (
+    NatsRefusedError,
+    StreamSetupError,
+    auth_options,
+    connect,
+    ensure_streams,
+)
 from mooncake.bus.consume import ACK, Delivery, Outcome, PullConsumer, per_message
 from mooncake.bus.publish import MSG_ID, Publisher
 from mooncake.client import submit
@@ -193,6 +199,19 @@ async def test_the_password_can_come_from_a_file(broker: str, tmp_path: Path) ->
         assert nc.is_connected
     finally:
         await nc.close()
+
+
+def test_a_password_needs_a_user() -> None:
+    with pytest.raises(ValueError, match="needs a user"):
+        auth_options(role_settings("nats://127.0.0.1:1", None, "orphan"))
+
+
+def test_inboxes_follow_the_user_unless_set() -> None:
+    url = "nats://127.0.0.1:1"
+    assert auth_options(role_settings(url, "decode"))["inbox_prefix"] == "_INBOX.decode"
+    assert auth_options(role_settings(url, None))["inbox_prefix"] == "_INBOX"
+    custom = role_settings(url, "gateway", nats_inbox_prefix="_INBOX.gateway.eu")
+    assert auth_options(custom)["inbox_prefix"] == "_INBOX.gateway.eu"
 
 
 # --- admissions: only the conductor -------------------------------------------------------
