@@ -179,8 +179,7 @@ async def _submit(
     raw: bool,
     until: Until,
 ) -> None:
-    import nats
-
+    from mooncake.bus.connection import connect
     from mooncake.client import TERMINAL_TYPES
     from mooncake.client import submit as do_submit
     from mooncake.events import Namespace
@@ -188,7 +187,7 @@ async def _submit(
     stop_at = TERMINAL_TYPES | {"request.admitted"} if until is Until.ADMITTED else TERMINAL_TYPES
 
     try:
-        nc = await nats.connect(settings.nats_url, connect_timeout=3, max_reconnect_attempts=1)
+        nc = await connect(settings, "cli-submit", connect_timeout=3, max_reconnect_attempts=1)
     except Exception as exc:
         err.print(
             f"[red]cannot reach NATS at {settings.nats_url}:[/red] {exc}; is `mooncake up` running?"

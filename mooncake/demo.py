@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NATS
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
 
 from mooncake import events as ev
+from mooncake.bus.connection import connect
 from mooncake.client import Outcome, ask, new_request_id
 from mooncake.config import Settings
 from mooncake.db import rebuild as rb
@@ -70,7 +70,7 @@ def run_demo(settings: Settings, console: Console, *, requests: int) -> bool:
 
 async def _flow(settings: Settings, console: Console, n: int) -> bool:
     ns = ev.Namespace(settings.namespace)
-    nc = await nats.connect(settings.nats_url)
+    nc = await connect(settings, "demo")
     assert settings.database_url
     engine = async_engine(settings.database_url)
     try:

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import nats
 from nats.aio.msg import Msg
 
 from mooncake import events as ev
+from mooncake.bus.connection import connect
 from mooncake.client import Outcome, ask
 from mooncake.config import Settings
 from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
@@ -118,7 +118,7 @@ async def run_live_replay(
     if not trace:
         raise ValueError(f"{opts.trace} holds no requests")
     ns = ev.Namespace(settings.namespace)
-    nc = await nats.connect(settings.nats_url, connect_timeout=3, max_reconnect_attempts=3)
+    nc = await connect(settings, "replay", connect_timeout=3, max_reconnect_attempts=3)
     prefilled: dict[str, dict[str, Any]] = {}
 
     async def on_prefilled(msg: Msg) -> None:
