@@ -125,6 +125,10 @@ def batch_msg_id(request_id: str, first: int, last: int) -> str:
     return f"tok:{request_id}:{first}:{last}"
 
 
+# Waits before the retries of a request's final token batch (nothing flushes after it).
+FINAL_RETRY_DELAYS_S = (0.2, 0.5, 1.0)
+
+
 class TokenStreamer:
     """The publisher side, shared by every request of one worker.
 
@@ -186,13 +190,18 @@ class TokenStreamer:
         if s.reply_to:
             await self._nc.publish(s.reply_to, final.to_json())
         s.pending.append(final)
-        await self._publish(final.request_id, s)
+        await self._publish(final.request_id, s, final=True)
 
     def discard(self, request_id: str) -> None:
         """Forget a request without a final chunk (another instance ended it)."""
         self._streams.pop(request_id, None)
 
-    async def _publish(self, request_id: str, s: _Stream) -> None:
+    async def _publish(self, request_id: str, s: _Stream, *, final: bool = False) -> None:
+        """Store the queued copies as one batch. A batch that cannot be stored (the broker
+        is failing over) goes back in front of the queue and is sent again, with what
+        follows, at the next flush; the final batch is retried here a few times, since no
+        flush follows it. Readers skip indexes they already have, so a batch stored twice
+        (an ack lost, not the message) is harmless."""
         chunks, s.pending = s.pending, []
         if not chunks:
             return
@@ -202,10 +211,21 @@ class TokenStreamer:
         else:
             msg_id = batch_msg_id(request_id, first, last)
         payload = TokenBatch(chunks=chunks).to_json()
-        try:
-            await self._js.publish(s.subject, payload, headers={MSG_ID: msg_id}, timeout=5.0)
-        except Exception as exc:  # the copy is best effort: the live stream went out
-            log.warning("token copy of %s [%d..%d] not stored: %s", request_id, first, last, exc)
+        for delay in (*FINAL_RETRY_DELAYS_S, None) if final else (None,):
+            try:
+                await self._js.publish(s.subject, payload, headers={MSG_ID: msg_id}, timeout=5.0)
+                return
+            except Exception as exc:
+                if delay is not None:
+                    await asyncio.sleep(delay)
+                    continue
+                if not final and request_id in self._streams:
+                    s.pending[:0] = chunks  # the next flush sends them again
+                    log.info("token copy of %s [%d..%d] deferred: %s", request_id, first, last, exc)
+                    return
+                log.warning(
+                    "token copy of %s [%d..%d] not stored: %s", request_id, first, last, exc
+                )
 
 
 # --- reading back -----------------------------------------------------------------------------
