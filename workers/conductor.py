@@ -441,10 +441,8 @@ async def start_conductor(ctx: WorkerContext) -> Conductor:
     except Exception:
         log.exception("no tokenizer for %s: text prompts will be rejected", s.engine.model)
         tokenizer = None
-    conductor = Conductor(
-        ctx, await open_request_ids(ctx), await terminal.open_bucket(ctx.js, ctx.ns), tokenizer,
-        costs,
-    )  # fmt: skip
+    terminal_kv = await terminal.open_bucket(ctx.js, ctx.ns, s.bus.replicas)
+    conductor = Conductor(ctx, await open_request_ids(ctx), terminal_kv, tokenizer, costs)
     await conductor.start()
     return conductor
 
