@@ -69,6 +69,50 @@ def bench_pipeline(
     print_result("bench pipeline", result, as_json)
 
 
+@bench_app.command("overload")
+def bench_overload(
+    factors: Annotated[str, typer.Option(help="Offered loads, as multiples of capacity")] = "2,4",
+    phase_s: Annotated[float, typer.Option(help="Seconds each load is offered")] = 30.0,
+    policy: Annotated[str, typer.Option(help="Admission policy: early | predicted")] = "early",
+    ttft_slo: Annotated[float, typer.Option(help="TTFT SLO (s) admitted requests meet")] = 2.0,
+    tbt_slo: Annotated[float, typer.Option(help="TBT SLO (s) admitted requests meet")] = 0.25,
+    percentile: Annotated[float, typer.Option(help="Percentile the SLO is held at")] = 0.9,
+    admit_at: Annotated[
+        float, typer.Option(help="Fraction of the SLO the Conductor admits against")
+    ] = 0.3,
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers")] = 1,
+    decode: Annotated[int, typer.Option(min=1, help="Decode workers")] = 1,
+    clients: Annotated[int, typer.Option(help="Closed-loop clients to start from (0: auto)")] = 0,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The conversation trace at multiples of this machine's measured capacity, with a
+    rejecting admission policy: SLO of the admitted, rejections by reason, RSS per worker,
+    queue depths, one terminal event per request (private NATS and Postgres, dummy model)."""
+    from mooncake.bench.overload import OverloadOptions, run_overload_bench
+
+    try:
+        opts = OverloadOptions(
+            factors=tuple(float(f) for f in factors.split(",") if f.strip()),
+            phase_s=phase_s,
+            policy=policy,  # type: ignore[arg-type]  # checked by run_overload
+            ttft_slo_s=ttft_slo,
+            tbt_slo_s=tbt_slo,
+            percentile=percentile,
+            admit_at=admit_at,
+            prefill=prefill,
+            decode=decode,
+            concurrency=clients,
+        )
+        result = asyncio.run(run_overload_bench(opts, log=err.print))
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    except RuntimeError as exc:
+        err.print(f"[red]bench overload failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    print_result("bench overload", result, as_json)
+
+
 @bench_app.command("conductor")
 def bench_conductor(
     requests: Annotated[int, typer.Option(help="Decisions to time (conversation trace)")] = 12000,
