@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-unit lint bench clean
+.PHONY: demo test test-unit lint bench clean faults
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check mooncake workers tests
 	$(BIN)/pytest -q
+
+# Every fault scenario at full size (RELIABILITY.md): kill -9 of each role, a NATS restart, a
+# 30 s Postgres outage; the figures go to MC_FAULTS_OUT and the table is printed from them.
+# `make test` runs a CI-sized subset of the same suite.
+MC_FAULTS_OUT ?= /tmp/mooncake-faults.jsonl
+faults: $(STAMP)
+	rm -f $(MC_FAULTS_OUT)
+	MC_FAULTS_FULL=1 MC_FAULTS_OUT=$(MC_FAULTS_OUT) $(BIN)/pytest -q tests/e2e/test_faults.py; \
+	status=$$?; $(BIN)/python tests/e2e/_faults_report.py $(MC_FAULTS_OUT); exit $$status
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
