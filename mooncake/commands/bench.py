@@ -71,7 +71,7 @@ def bench_pipeline(
 
 @bench_app.command("overload")
 def bench_overload(
-    factors: Annotated[str, typer.Option(help="Offered loads, as multiples of capacity")] = "2,4",
+    factors: Annotated[str, typer.Option(help="Offered loads, as multiples of capacity")] = "2,4,4",
     phase_s: Annotated[float, typer.Option(help="Seconds each load is offered")] = 30.0,
     policy: Annotated[str, typer.Option(help="Admission policy: early | predicted")] = "early",
     ttft_slo: Annotated[float, typer.Option(help="TTFT SLO (s) admitted requests meet")] = 2.0,
