@@ -255,6 +255,10 @@ async def test_a_flooding_client_gets_429_while_others_are_served(stack: Stack) 
 
     served = [r for r in flooded if r.status_code == 200]
     limited = [r for r in flooded if r.status_code == 429]
+    print(
+        f"gateway flood: {len(flooded)} sent in {elapsed:.2f} s, {len(served)} served, "
+        f"{len(limited)} 429; others {[r.status_code for r in (*kind, *anonymous)]}"
+    )
     assert len(served) + len(limited) == len(flooded), {r.status_code for r in flooded}
     assert 1 <= len(served) <= burst + rate * elapsed + 1, (len(served), elapsed)
     assert len(limited) >= len(flooded) - (burst + rate * elapsed + 1)
@@ -314,6 +318,10 @@ async def test_a_bus_flood_is_rejected_per_client_by_the_conductor(
     limited = [rid for rid in greedy if decision[rid][1].get("reason") == "client_rate_limited"]
     admitted = [rid for rid in greedy if decision[rid][0] == "request.admitted"]
     assert len(limited) + len(admitted) == len(greedy), decision
+    print(
+        f"bus flood: {len(greedy)} sent, {len(admitted)} admitted, {len(limited)} "
+        f"client_rate_limited in {elapsed:.2f} s; polite {[decision[r][0] for r in polite]}"
+    )
     assert burst <= len(admitted) <= burst + rate * elapsed + 1, (len(admitted), elapsed)
     assert set(greedy[:burst]) <= set(admitted)  # arrival order: the burst went first
     for rid in limited:
