@@ -5,7 +5,8 @@ What arrives on the reply subject: the Conductor's decision (`request.admitted` 
 (`index`, `token_ids`, `text`; the last one has `done` and the finish reason). Token index 0
 comes from the prefill instance (the request's first token), the rest from decode. A decode
 that was redelivered to another instance streams again from index 1: chunks are
-deduplicated by index.
+deduplicated by index. Live chunks travel on core NATS (at most once): `ask` reads any a
+finished request missed back from the request's copy on MC_TOKENS.
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ class Outcome:
     submitted_at: float = 0.0
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # The final chunk's index: how many tokens a finished request has (0 .. index - 1).
+    final_index: int | None = None
+    # Tokens that never arrived live (core NATS drops what is published while the client is
+    # reconnecting, e.g. across a broker restart) and were read back from MC_TOKENS.
+    repaired: int = 0
 
     @property
     def admitted(self) -> bool:
@@ -153,6 +159,23 @@ class Outcome:
         if body.get("done"):
             self.finish_reason = body.get("finish_reason")
             self.error = body.get("error")
+            self.final_index = int(body.get("index", 0))
+
+    def missing(self) -> list[int]:
+        """Indexes of a finished request's tokens that did not arrive (none otherwise)."""
+        if not self.finished or self.final_index is None:
+            return []
+        return [i for i in range(self.final_index) if i not in self.tokens]
+
+    def fill(self, chunk: dict[str, Any]) -> None:
+        """A token chunk read back after the fact: its tokens and text, without timings."""
+        start = int(chunk.get("index", 0))
+        for k, tok in enumerate(chunk.get("token_ids", [])):
+            if start + k not in self.tokens:
+                self.tokens[start + k] = int(tok)
+                self.repaired += 1
+        if chunk.get("text") and start not in self.text_parts:
+            self.text_parts[start] = str(chunk["text"])
 
 
 async def ask(
@@ -180,4 +203,24 @@ async def ask(
         deadline_s=deadline_s,
     ):
         out.take(body)
+    if out.missing():
+        await fill_from_copy(nc, ns or ev.Namespace(), out)
     return out
+
+
+async def fill_from_copy(
+    nc: NATS, ns: ev.Namespace, out: Outcome, idle_timeout_s: float = 5.0
+) -> None:
+    """Read the tokens a finished request's client missed from the request's replayable
+    copy on MC_TOKENS. Without this a reply chunk lost in transit (core NATS, at most once)
+    silently shortens the answer while the final chunk says it is complete."""
+    from mooncake.serving.streaming import resume_tokens  # the serving side, only when needed
+
+    async for chunk in resume_tokens(
+        nc.jetstream(), ns, out.request_id, min(out.missing()), idle_timeout_s=idle_timeout_s
+    ):
+        if chunk.done:
+            break
+        out.fill(chunk.model_dump(mode="json"))
+        if not out.missing():
+            break
