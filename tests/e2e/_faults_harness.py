@@ -229,6 +229,55 @@ class Traffic:
 
 
 @dataclass
+class StageWatch:
+    """Where each request's work is, as the bus says (the lifecycle events also reach core
+    subscribers): a prefill or decode started on an instance and not yet handed on or ended.
+    It picks the busiest instance to kill and counts the work a kill interrupted."""
+
+    ns: ev.Namespace
+    active: dict[str, tuple[str, str]] = field(default_factory=dict)  # rid -> (stage, instance)
+    starts: Counter[tuple[str, str]] = field(default_factory=Counter)  # (rid, stage) -> times
+    _subs: list[Any] = field(default_factory=list)
+
+    async def start(self, nc: NATS) -> None:
+        handoffs = (
+            ev.PrefillStarted, ev.RequestPrefilled, ev.DecodeStarted, ev.RequestCompleted,
+            ev.RequestFailed, ev.RequestCancelled,
+        )  # fmt: skip
+        for kind in handoffs:
+            self._subs.append(await nc.subscribe(self.ns.of(kind), cb=self._seen))
+
+    async def _seen(self, msg: Any) -> None:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            body = json.loads(msg.data)
+            rid, kind = str(body["request_id"]), str(body["type"])
+            if kind in ("request.prefill_started", "request.decode_started"):
+                stage = kind.split(".")[1].removesuffix("_started")
+                self.active[rid] = (stage, str(body["instance"]))
+                self.starts[(rid, stage)] += 1
+            else:
+                self.active.pop(rid, None)
+
+    def on(self, instance: str) -> list[str]:
+        return [rid for rid, (_, where) in self.active.items() if where == instance]
+
+    def busiest(self, role: str, instances: list[str]) -> tuple[str, int]:
+        load = {i: len(self.on(i)) for i in instances if i.startswith(role)}
+        name = max(sorted(load), key=lambda i: load[i])
+        return name, load[name]
+
+    def started_again(self) -> int:
+        """Requests whose prefill or decode started more than once (redelivered or
+        re-dispatched after the fault)."""
+        return len({rid for (rid, _), n in self.starts.items() if n > 1})
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
+@dataclass
 class Probes:
     """Small requests submitted one after another from the moment of the fault until one
     is served: `served_s` is when the first finished, measured from `t0`."""
@@ -410,6 +459,23 @@ async def terminal_types(engine: AsyncEngine, ids: list[str]) -> Counter[str]:
             {"ids": ids, "t": list(TERMINAL)},
         )
         return Counter(r[0] for r in rows)
+
+
+async def redispatched_requests(engine: AsyncEngine) -> int:
+    """Requests whose prefill or decode the record shows started more than once: a start's
+    event id holds its attempt, so these are the Conductor's re-dispatches (a redelivery of
+    the same attempt repeats the same id, recorded once)."""
+    async with engine.connect() as conn:
+        n = (
+            await conn.execute(
+                text(
+                    "SELECT count(DISTINCT request_id) FROM (SELECT request_id FROM events "
+                    "WHERE type IN ('request.prefill_started', 'request.decode_started') "
+                    "GROUP BY request_id, type HAVING count(*) > 1) AS again"
+                )
+            )
+        ).scalar_one()
+    return int(n)
 
 
 async def first_recorded_at(engine: AsyncEngine, ids: list[str]) -> float | None:

@@ -42,36 +42,35 @@ def _s(v: object) -> str:
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
     head = (
-        "| scenario | requests | in flight at fault | lost | duplicated | completed / failed "
-        "| clients unanswered | recovery (s) | first recorded (s) | events = streams "
-        "| projections = rebuild | result | command |\n"
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|---|---|\n"
+        "| scenario | requests | in flight at the fault (on the killed worker) "
+        "| work redone / re-dispatched | lost | duplicated | completed / failed "
+        "| clients unanswered (tokens read back) | recovery (s) | first recorded (s) "
+        "| events = streams | projections = rebuild | result | command |\n"
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|---|---|\n"
     )
     body = []
     for name in sorted(rows, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER)):
         r = rows[name]
         same = r["missing_from_record"] == 0 and r["not_in_streams"] == 0
-        body.append(
-            "| "
-            + " | ".join(
-                [
-                    f"`{name}`",
-                    _s(r["requests"]),
-                    _s(r["in_flight"]),
-                    _s(r["lost"]),
-                    _s(r["duplicated"]),
-                    f"{r['completed']} / {r['failed']}",
-                    _s(r["client_unanswered"]),
-                    _s(r["recovery_s"]),
-                    _s(r["recorded_s"]),
-                    f"yes ({r['stream_messages']} events)" if same else "**no**",
-                    "yes" if r["projections_equal"] else "**no**",
-                    "pass" if not r["violations"] else "**FAIL**",
-                    f"`{COMMAND.format(name)}`",
-                ]
-            )
-            + " |"
-        )
+        on_killed = r.get("on_killed")
+        killed = f" ({on_killed} on {r['killed']})" if on_killed is not None else ""
+        cells = [
+            f"`{name}`",
+            _s(r["requests"]),
+            f"{r['in_flight']}{killed}",
+            f"{_s(r.get('redone'))} / {_s(r.get('redispatched'))}",
+            _s(r["lost"]),
+            _s(r["duplicated"]),
+            f"{r['completed']} / {r['failed']}",
+            f"{r['client_unanswered']} ({_s(r.get('tokens_repaired'))})",
+            _s(r["recovery_s"]),
+            _s(r["recorded_s"]),
+            f"yes ({r['stream_messages']} events)" if same else "**no**",
+            "yes" if r["projections_equal"] else "**no**",
+            "pass" if not r["violations"] else "**FAIL**",
+            f"`{COMMAND.format(name)}`",
+        ]
+        body.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(body) + "\n"
 
 

@@ -42,6 +42,7 @@ from _faults_harness import (
     FaultStack,
     Knobs,
     Probes,
+    StageWatch,
     Supervisor,
     Traffic,
     bus_probe,
@@ -52,6 +53,7 @@ from _faults_harness import (
     record_dict,
     record_vs_streams,
     recorder_caught_up,
+    redispatched_requests,
     restart,
     submitted_since,
     terminal_counts,
@@ -65,6 +67,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from mooncake import events as ev
 from mooncake.bus.connection import ensure_streams
 from mooncake.bus.publish import Publisher
+from mooncake.client import ask
 from mooncake.config import EngineSettings, GatewaySettings, Settings
 from mooncake.db.engine import async_engine
 from mooncake.db.rebuild import verify
@@ -75,7 +78,9 @@ from mooncake.hashing import block_keys
 from mooncake.replay_live import LiveReplayOptions, scaled_request
 from mooncake.services import EmbeddedPostgres, free_port
 from mooncake.serving.models import build_engine
+from mooncake.serving.streaming import TokenStreamer
 from mooncake.trace import load_trace
+from mooncake.work import TokenChunk
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -87,15 +92,16 @@ KNOBS = Knobs.from_env()
 class Scenario:
     name: str
     fault: str  # kill | hot-node | nats | postgres
-    target: str = ""  # the worker killed
+    target: str = ""  # the worker killed (a role alone: its busiest instance)
 
 
 SCENARIOS = (
     Scenario("kill-recorder", "kill", "recorder-0"),
     Scenario("kill-store-master", "kill", "store-master-0"),
     Scenario("kill-conductor", "kill", "conductor-0"),
-    Scenario("kill-prefill", "kill", "prefill-1"),
-    Scenario("kill-decode", "kill", "decode-0"),
+    # A role alone: its instance with the most work under way when the fault comes.
+    Scenario("kill-prefill", "kill", "prefill"),
+    Scenario("kill-decode", "kill", "decode"),
     Scenario("kill-gateway", "kill", "gateway-0"),
     Scenario("kill-hot-store-node", "hot-node"),
     Scenario("restart-nats", "nats"),
@@ -194,6 +200,8 @@ async def _run(
 
     supervisor = Supervisor(stack, knobs.restart_delay_s)
     supervisor.start()
+    watch = StageWatch(_ns(settings))
+    await watch.start(nc)
     trace = load_trace(TRACE, limit=knobs.requests)
     opts = LiveReplayOptions(
         TRACE, speed=knobs.speed, limit=knobs.requests, tokens_per_block=16,
@@ -214,6 +222,12 @@ async def _run(
         target = sc.target
         if sc.fault == "hot-node":
             target = await _hot_block_holder(db, _hot_key(settings, trace))
+        elif target in ("prefill", "decode"):
+            names = [w.name for w in stack.workers]
+            assert await until(
+                lambda: _true(watch.busiest(sc.target, names)[1] > 0), 60, every=0.05
+            ), f"no {sc.target} instance ever had work"
+            target = watch.busiest(sc.target, names)[0]
         if streams is not None:
             assert await until(
                 lambda: _true(len(streams.prefilled) == len(streams.tasks)), 30, every=0.05
@@ -222,6 +236,7 @@ async def _run(
         # --- the fault -----------------------------------------------------------------
         t_fault, t_fault_wall = time.monotonic(), time.time()
         in_flight = len(traffic.in_flight(t_fault)) + (streams.in_flight() if streams else 0)
+        on_killed = _work_on(target, watch, streams)
         submit = http if target.startswith("gateway") else bus_probe(nc, settings, probe_timeout)
         probes = Probes(submit, f"probe-{sc.name}-{run_id}", t_fault)
         probing = asyncio.create_task(probes.run(knobs.recovery_bound_s + 30))
@@ -246,6 +261,7 @@ async def _run(
     finally:
         replay.cancel()
         await supervisor.stop()
+        await watch.stop()
 
     # --- settle: every request the test submitted is in the record with its ending ----------
     known = set(traffic.ids) | {i for i in probes.ids}
@@ -287,6 +303,7 @@ async def _run(
     # --- (b) the record equals the streams; (c) projections equal their rebuild -------------
     record = await record_vs_streams(js, db, _ns(settings), lasts)
     projection_diffs = await verify(db)
+    redispatched = await redispatched_requests(db)
 
     # --- (d) recovery ------------------------------------------------------------------------
     # Gateway probes carry the gateway's own request ids: those submitted after the fault.
@@ -353,6 +370,11 @@ async def _run(
         "failed": endings.get("request.failed", 0),
         "rejected": endings.get("request.rejected", 0),
         "cancelled": endings.get("request.cancelled", 0),
+        "killed": target if sc.fault in ("kill", "hot-node") else None,
+        "on_killed": on_killed,
+        "redone": watch.started_again(),
+        "redispatched": redispatched,
+        "tokens_repaired": sum(o.repaired for o in traffic.outcomes.values()),
         "gateway_requests": len(gateway_ids),
         "http_in_flight_errors": http_errors,
         "recovery_s": None if probes.served_s is None else round(probes.served_s, 2),
@@ -382,6 +404,16 @@ async def _run(
 
 def _ns(settings: Settings) -> ev.Namespace:
     return ev.Namespace(settings.namespace)
+
+
+def _work_on(target: str, watch: StageWatch, streams: HttpStreams | None) -> int | None:
+    """Requests whose work the killed worker held at the fault (None: a role that holds no
+    request's work, e.g. the recorder, or a fault that is not a kill)."""
+    if streams is not None:
+        return streams.in_flight()
+    if target.startswith(("prefill", "decode")):
+        return len(watch.on(target))
+    return None
 
 
 async def _true(v: bool) -> bool:
@@ -492,7 +524,8 @@ async def _hot_block_after(db: AsyncEngine, key: str, holder: str) -> dict[str, 
 
 
 def _wrong_answers(settings: Settings, traffic: Traffic, opts: LiveReplayOptions) -> list[str]:
-    """Finished requests whose tokens differ from a single-process run of the same engine."""
+    """Finished requests whose tokens differ from a single-process run of the same engine
+    (each as: id, token indices received, length wanted, first index that differs)."""
     engine = build_engine(settings)
     wrong = []
     for rid, out in traffic.outcomes.items():
@@ -500,8 +533,14 @@ def _wrong_answers(settings: Settings, traffic: Traffic, opts: LiveReplayOptions
             continue
         tokens, params = traffic.requests[rid]
         want = generate(engine, [tokens], [EngineParams(max_tokens=params.max_tokens)])[0].tokens
-        if out.token_ids != want:
-            wrong.append(rid)
+        got = out.token_ids
+        if got != want:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None
+            )
+            wrong.append(
+                f"{rid} (indices {sorted(out.tokens)}, wanted {len(want)}, first diff {first})"
+            )
     return wrong
 
 
@@ -557,3 +596,39 @@ def test_embedded_postgres_starts_again_after_a_parent_dir_is_tightened() -> Non
             assert pg.running
         finally:
             pg.stop()
+
+
+async def test_a_client_that_missed_a_live_chunk_reads_it_back(settings: Settings) -> None:
+    """Found by the NATS restart above: a reply chunk published while the client was
+    reconnecting never arrived, and `ask` returned a finished answer with a token missing
+    (indices [0, 1, 3, 4] of 5). It now reads the gap back from the tokens' MC_TOKENS copy.
+    A stand-in worker answers here: every chunk to the copy, index 2 not to the client."""
+    ns = _ns(settings)
+    wanted = [7, 8, 9, 10, 11]
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, settings)
+        streamer = TokenStreamer(nc, js, ns)
+
+        async def answer(msg: Any) -> None:
+            body = json.loads(msg.data)
+            rid, reply = body["request_id"], body["reply_to"]
+            streamer.open(rid, reply_to=None)
+            for i, tok in enumerate(wanted):
+                chunk = TokenChunk(request_id=rid, index=i, token_ids=[tok])
+                if i != 2:  # lost in transit
+                    await nc.publish(reply, chunk.to_json())
+                await streamer.emit(chunk, live=False)
+            done = TokenChunk(request_id=rid, index=len(wanted), done=True, finish_reason="length")
+            await streamer.close(done)
+            await nc.publish(reply, done.to_json())
+
+        sub = await nc.subscribe(ns.of(ev.RequestSubmitted), cb=answer)
+        out = await ask(nc, token_ids=[1, 2, 3], ns=ns, request_id="gap", timeout_s=10)
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+    assert out.finished
+    assert out.token_ids == wanted
+    assert out.repaired == 1 and out.missing() == []
