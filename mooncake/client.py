@@ -49,9 +49,14 @@ async def submit(
     timeout_s: float = 30.0,
     deadline_s: float | None = None,
     until: frozenset[str] = TERMINAL_TYPES,
+    client_id: str | None = None,
+    publisher: Publisher | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """Publish one request and yield each message that comes back (decision events and
-    token chunks), until the last chunk, a terminal decision in `until`, or the timeout."""
+    token chunks), until the last chunk, a terminal decision in `until`, or the timeout.
+
+    `client_id` names the end client (the gateway's API key digest) for per-client limits;
+    `publisher` reuses a long-lived one (a worker's)."""
     request_id = request_id or new_request_id()
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -63,8 +68,9 @@ async def submit(
             params=params or ev.SamplingParams(),
             reply_to=inbox,
             deadline_s=deadline_s,
+            client_id=client_id,
         )
-        await Publisher(nc, nc.jetstream(), ns or ev.Namespace()).publish(event)
+        await (publisher or Publisher(nc, nc.jetstream(), ns or ev.Namespace())).publish(event)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while (remaining := deadline - loop.time()) > 0:

@@ -1,6 +1,6 @@
 """Fuzzing the gateway's HTTP ingress through its ASGI app (httpx.ASGITransport), with an
-in-memory pipeline that builds the very `request.submitted` the real backend publishes
-(`backend.submitted_event`), so whatever the gateway lets through must also validate there.
+in-memory pipeline that builds the `request.submitted` the real backend publishes (as
+`mooncake.client.submit` builds it), so whatever the gateway lets through must validate.
 
 The law: a client's mistake is a 4xx with an OpenAI error body, never a 5xx; what is
 accepted is answered. Fuzzed: JSON bodies of any shape and valid bodies with one field
@@ -23,11 +23,11 @@ from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from tokenizers import decoders as tk_decoders
 from tokenizers.models import BPE
 
+from mooncake import events as ev
 from mooncake.client import TERMINAL_TYPES, is_final
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.gateway import GatewayOptions, create_app
 from mooncake.gateway.app import Gateway, client_of
-from mooncake.gateway.backend import submitted_event
 from mooncake.gateway.translate import Submission
 
 MODEL = "fuzz-model"
@@ -47,7 +47,15 @@ class Pipeline:
     async def submit(
         self, submission: Submission, *, request_id: str, timeout_s: float
     ) -> AsyncIterator[dict[str, Any]]:
-        submitted_event(submission, request_id=request_id, reply_to="_INBOX.x", deadline_s=1.0)
+        ev.RequestSubmitted(  # what mooncake.client.submit publishes for the gateway
+            request_id=request_id,
+            prompt=submission.prompt,
+            token_ids=submission.token_ids,
+            params=submission.params,
+            client_id=submission.client_id,
+            reply_to="_INBOX.x",
+            deadline_s=1.0,
+        )
         self.submitted.append(submission)
         replies = [
             {"type": "request.admitted", "request_id": request_id, "policy": "none"},
