@@ -10,17 +10,22 @@ also look the slot up before starting work, which is how a cancellation reaches 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from mooncake.bus.publish import TRANSIENT
 from mooncake.namespace import Namespace
 
 BUCKET = "MC_TERMINAL"  # canonical; namespaced like the streams
 TTL_S = 24 * 3600.0
+# How long a claim keeps trying through transient broker errors (a restart, a failover).
+CLAIM_GIVE_UP_S = 30.0
 
 
 def _key(request_id: str) -> str:
@@ -38,14 +43,33 @@ async def open_bucket(js: JetStreamContext, ns: Namespace, replicas: int = 1) ->
         return await js.create_key_value(config)
 
 
-async def claim(kv: KeyValue, request_id: str, kind: str, event_id: str) -> bool:
-    """True if this caller ends the request (first claim, or a retry of the same claim)."""
+async def claim(
+    kv: KeyValue, request_id: str, kind: str, event_id: str, *, give_up_s: float = CLAIM_GIVE_UP_S
+) -> bool:
+    """True if this caller ends the request (first claim, or a retry of the same claim).
+
+    A claim that meets a broker restart or a slow ack (timeout, no responders, a closed
+    connection) is tried again with the same value, like every publish (`bus.publish`): if
+    the first try did land, the retry finds its own value and still wins. Without this a
+    decode that finished while the broker restarted threw its work away and did it again."""
     value = f"{kind}:{event_id}".encode()
+    delay, deadline = 0.1, time.monotonic() + give_up_s
+    while True:
+        try:
+            return await _claim_once(kv, _key(request_id), value)
+        except TRANSIENT:
+            if time.monotonic() + delay > deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def _claim_once(kv: KeyValue, key: str, value: bytes) -> bool:
     try:
-        await kv.create(_key(request_id), value)
+        await kv.create(key, value)
         return True
     except KeyWrongLastSequenceError:
-        entry = await kv.get(_key(request_id))
+        entry = await kv.get(key)
         return entry.value == value
 
 

@@ -32,10 +32,12 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import nats
+import nats.errors
 import pytest
 import pytest_asyncio
 from _faults_harness import (
@@ -61,10 +63,12 @@ from _faults_harness import (
     until,
     write_result,
 )
+from nats.js.errors import KeyWrongLastSequenceError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from mooncake import events as ev
+from mooncake.bus import terminal
 from mooncake.bus.connection import ensure_streams
 from mooncake.bus.publish import Publisher
 from mooncake.client import ask
@@ -632,3 +636,37 @@ async def test_a_client_that_missed_a_live_chunk_reads_it_back(settings: Setting
     assert out.finished
     assert out.token_ids == wanted
     assert out.repaired == 1 and out.missing() == []
+
+
+class _FlakyBucket:
+    """A terminal-claims bucket whose first `create` times out, after storing its value or
+    not (an ack lost on the way back, or a request that never reached the broker)."""
+
+    def __init__(self, landed: bool) -> None:
+        self.values: dict[str, bytes] = {}
+        self.landed, self.calls = landed, 0
+
+    async def create(self, key: str, value: bytes) -> int:
+        self.calls += 1
+        if self.calls == 1:
+            if self.landed:
+                self.values[key] = value
+            raise nats.errors.TimeoutError
+        if key in self.values:
+            raise KeyWrongLastSequenceError
+        self.values[key] = value
+        return 1
+
+    async def get(self, key: str) -> Any:
+        return SimpleNamespace(value=self.values[key])
+
+
+@pytest.mark.parametrize("landed", [False, True], ids=["lost-request", "lost-ack"])
+async def test_a_terminal_claim_survives_a_broker_timeout(landed: bool) -> None:
+    """Found by the NATS restart above: a decode finishing while the broker restarted lost
+    its claim to a timeout and redid the whole decode. The claim is retried, and wins once
+    whichever way the first try was lost; another claimant still loses."""
+    bucket = _FlakyBucket(landed)
+    assert await terminal.claim(bucket, "r", "completed", "e1")  # type: ignore[arg-type]
+    assert bucket.calls == 2
+    assert not await terminal.claim(bucket, "r", "cancelled", "e2")  # type: ignore[arg-type]
