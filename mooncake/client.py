@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +24,8 @@ from nats.aio.client import Client as NATS
 
 from mooncake import events as ev
 from mooncake.bus.publish import Publisher
+
+log = logging.getLogger("mooncake.client")
 
 TERMINAL_TYPES = frozenset(
     {"request.rejected", "request.completed", "request.failed", "request.cancelled"}
@@ -210,7 +213,10 @@ async def ask(
     ):
         out.take(body)
     if out.missing():
-        await fill_from_copy(nc, ns or ev.Namespace(), out)
+        try:
+            await fill_from_copy(nc, ns or ev.Namespace(), out)
+        except Exception as exc:  # no JetStream access (a gateway-scoped user), a failover
+            log.warning("%s: tokens %s not read back: %s", rid, out.missing(), exc)
     return out
 
 
