@@ -35,7 +35,7 @@ from typing import Any
 import nats
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -423,7 +423,13 @@ async def _rows(url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
     "within 60 s (seen 2 of ~6 runs on 2026-11-21, not reproduced on demand); the message "
     "names the request id",
 )
-@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+# No shrinking: every example waits up to 60 s for the record, and a shrink runs dozens.
+@settings(
+    max_examples=2,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    phases=[Phase.explicit, Phase.generate],
+)
 @given(data=st.data())
 def test_fuzzed_batches_through_the_broker_are_all_accounted_for(
     procs: Procs, data: st.DataObject
