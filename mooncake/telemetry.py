@@ -108,6 +108,8 @@ def tracer() -> trace.Tracer:
 
 def inject_headers(headers: MutableMapping[str, str], context: Context | None = None) -> None:
     """Write the W3C trace context of the current (or given) span into message headers."""
+    if context is None and not trace.get_current_span().get_span_context().is_valid:
+        return  # outside any trace (e.g. the store master's journal): nothing to carry
     propagate.inject(headers, context=context)
 
 

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -65,6 +65,7 @@ class StoreClient:
         self.subjects = p.Subjects(ns)
         self._transports: dict[str, Transport] = {}
         self._usable = [n for n in config.transports if available(n)[0]]
+        self._reach: dict[tuple[str, str], bool] = {}
         if not self._usable:
             raise ValueError(f"no transport of {config.transports} is available here")
 
@@ -88,9 +89,20 @@ class StoreClient:
         out = []
         for name in self._usable:
             ep = endpoints.get(name)
-            if ep is not None and self._transport(name).reaches(ep):
+            if ep is not None and self._reaches(name, ep):
                 out.append((name, ep))
         return out
+
+    def _reaches(self, name: str, endpoint: str) -> bool:
+        """`Transport.reaches`, remembered (it parses the endpoint; a batch asks per object,
+        and the answer for an endpoint does not change)."""
+        key = (name, endpoint)
+        known = self._reach.get(key)
+        if known is None:
+            if len(self._reach) >= 4096:
+                self._reach.clear()
+            known = self._reach[key] = self._transport(name).reaches(endpoint)
+        return known
 
     async def _call(self, op: str, req: p.Wire, reply: type[M]) -> M:
         try:
@@ -196,8 +208,9 @@ class StoreClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
             todo = retry
-        for r in results:
-            metrics.STORE_OPS.labels("put", "ok" if r is None else r.reason.value).inc()
+        outcomes = Counter("ok" if r is None else r.reason.value for r in results)
+        for outcome, n in outcomes.items():
+            metrics.STORE_OPS.labels("put", outcome).inc(n)
         return results
 
     async def _put_round(

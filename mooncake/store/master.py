@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import logging
 import random
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -73,16 +76,26 @@ class StoreMaster:
         clock: Clock = time.monotonic,
         tick_s: float = 0.1,
         move_timeout_s: float = 10.0,
+        dispatch_delay_s: float = 0.002,
     ) -> None:
         self.nc, self.state, self.publisher = nc, state, publisher
         self.subjects = p.Subjects(ns)
         self.clock, self.tick_s, self.move_timeout_s = clock, tick_s, move_timeout_s
+        self.dispatch_delay_s = dispatch_delay_s
+        self._dispatch_handle: asyncio.TimerHandle | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._node_seq: dict[str, int] = defaultdict(int)
         self._journal: list[ev.Event] = []
+        # Journal event ids: a random prefix per master process, then a counter (unique, and
+        # cheaper than a uuid4 per event, which reads the OS's random source each time).
+        self._id_prefix = f"sm-{uuid.uuid4().hex[:20]}-"
+        self._id_counter = itertools.count(1)
         self._journal_ready = asyncio.Event()
-        self._handlers: dict[str, Callable[[bytes], BaseModel]] = {
+        # A handler answers with a model, or with its JSON already made (the hot ops build
+        # it from plain dicts: a third of the cost; `test_master_fast_json` checks it parses
+        # as the reply model says).
+        self._handlers: dict[str, Callable[[bytes], BaseModel | bytes]] = {
             "mount": self._mount,
             "heartbeat": self._heartbeat,
             "put_start": self._put_start,
@@ -110,6 +123,9 @@ class StoreMaster:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs.clear()
+        if self._dispatch_handle is not None:
+            self._dispatch_handle.cancel()
+            self._dispatch_due()
         await self._flush_journal()
         for t in list(self._tasks):
             t.cancel()
@@ -126,7 +142,7 @@ class StoreMaster:
         op = msg.subject.rsplit(".", 1)[-1]
         handler = self._handlers.get(op)
         try:
-            reply: BaseModel = (
+            reply: BaseModel | bytes = (
                 handler(msg.data) if handler else p.ErrorReply(error=f"unknown op {op!r}")
             )
         except ValidationError as e:
@@ -139,15 +155,39 @@ class StoreMaster:
             reply = p.ErrorReply(error=f"{op} failed: {type(e).__name__}")
         if msg.reply:  # answer first: the journal and notifications are not on its path
             with contextlib.suppress(Exception):
-                await msg.respond(reply.model_dump_json().encode())
-        self._dispatch_changes()
+                await msg.respond(
+                    reply if isinstance(reply, bytes) else reply.model_dump_json().encode()
+                )
+            # `respond` only buffers the answer; yield so the NATS client's flusher writes
+            # it now, not after the next queued request (a pipelined client sends several).
+            await asyncio.sleep(0)
+        self._dispatch_soon()
 
-    def _segments_of(self, replicas: list[p.ReplicaWire]) -> dict[str, dict[str, str]]:
+    def _dispatch_soon(self) -> None:
+        """Journal events and node updates for what the requests changed, a moment later.
+
+        `respond` only buffers an answer (the NATS client's flusher writes it at its next
+        turn), and building the journal and the node updates costs ~15 µs per object: done
+        at once, it would delay the answer, and the client's next request (a client that put
+        a batch reads it next). Deferred by `dispatch_delay_s`, it runs while the client moves
+        bytes, and one pass covers every request of that moment. A timer, so it cannot
+        starve: it fires however busy the master is."""
+        if self._dispatch_handle is None:
+            loop = asyncio.get_running_loop()
+            self._dispatch_handle = loop.call_later(self.dispatch_delay_s, self._dispatch_due)
+
+    def _dispatch_due(self) -> None:
+        self._dispatch_handle = None
+        try:
+            self._dispatch_changes()
+        except Exception:  # the changes stay drained; the record is rebuilt from the nodes
+            log.exception("store master: dispatching changes failed")
+
+    def _endpoints_of(self, segment_ids: Iterable[str]) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}
-        for r in replicas:
-            if r.segment_id not in out:
-                info = self.state.segment(r.segment_id)
-                out[r.segment_id] = dict(info.endpoints) if info else {}
+        for sid in segment_ids:
+            info = self.state.segment(sid)
+            out[sid] = dict(info.endpoints) if info else {}
         return out
 
     # --- ops ----------------------------------------------------------------------------------
@@ -182,11 +222,11 @@ class StoreMaster:
         res = self.state.heartbeat(req.node_id, self.clock())
         return p.OkReply(refused=_refused(res) if isinstance(res, ms.Refusal) else None)
 
-    def _put_start(self, data: bytes) -> p.PutStartReply:
+    def _put_start(self, data: bytes) -> bytes:
         req = p.PutStartRequest.model_validate_json(data)
         now = self.clock()
-        results: list[p.Plan | p.Refused] = []
-        replicas: list[p.ReplicaWire] = []
+        results: list[dict[str, Any]] = []
+        segment_ids: set[str] = set()
         for it in req.items:
             res = self.state.put_start(
                 it.key,
@@ -198,12 +238,11 @@ class StoreMaster:
                 placement=it.placement,
             )
             if isinstance(res, ms.Refusal):
-                results.append(_refused(res))
+                results.append(_refused(res).model_dump(mode="json"))
             else:
-                wires = [p.ReplicaWire.of(r) for r in res.replicas]
-                replicas += wires
-                results.append(p.Plan(replicas=wires))
-        return p.PutStartReply(results=results, segments=self._segments_of(replicas))
+                segment_ids.update(r.segment_id for r in res.replicas)
+                results.append({"replicas": [replica_json(r) for r in res.replicas]})
+        return _json({"segments": self._endpoints_of(segment_ids), "results": results})
 
     def _keys_op(self, data: bytes, op: Callable[[str, float], Any]) -> p.ResultsReply:
         req = p.KeysRequest.model_validate_json(data)
@@ -229,20 +268,24 @@ class StoreMaster:
             out.append(_refused(res) if isinstance(res, ms.Refusal) else None)
         return p.ResultsReply(results=out)
 
-    def _lookup(self, data: bytes) -> p.LookupReply:
+    def _lookup(self, data: bytes) -> bytes:
         req = p.KeysRequest.model_validate_json(data)
         now = self.clock()
-        results: list[p.Found | p.Refused] = []
-        replicas: list[p.ReplicaWire] = []
+        results: list[dict[str, Any]] = []
+        segment_ids: set[str] = set()
         for key in req.keys:
             res = self.state.lookup(key, now)
             if isinstance(res, ms.Refusal):
-                results.append(_refused(res))
+                results.append(_refused(res).model_dump(mode="json"))
                 continue
-            wires = [p.ReplicaWire.of(r) for r in res.replicas]
-            replicas += wires
-            results.append(p.Found(replicas=wires, lease_s=max(0.0, res.lease_until - now)))
-        return p.LookupReply(results=results, segments=self._segments_of(replicas))
+            segment_ids.update(r.segment_id for r in res.replicas)
+            results.append(
+                {
+                    "replicas": [replica_json(r) for r in res.replicas],
+                    "lease_s": max(0.0, res.lease_until - now),
+                }
+            )
+        return _json({"segments": self._endpoints_of(segment_ids), "results": results})
 
     def _exists(self, data: bytes) -> p.ExistsReply:
         req = p.KeysRequest.model_validate_json(data)
@@ -275,6 +318,9 @@ class StoreMaster:
                     )
         return p.NodeUpdate(key=key, held=held)
 
+    def _next_event_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_counter):x}"
+
     def _dispatch_changes(self) -> None:
         changes = self.state.drain()
         if not changes:
@@ -286,7 +332,7 @@ class StoreMaster:
                 case ms.ObjectStored(key=key, size=size, replicas=reps, pin=pin):
                     self._journal.append(
                         ev.KvObjectStored(
-                            event_id=ev.new_event_id(),
+                            event_id=self._next_event_id(),
                             occurred_at=now,
                             key=key,
                             size_bytes=size,
@@ -300,7 +346,7 @@ class StoreMaster:
                     metrics.STORE_EVICTIONS.labels(reason).inc()
                     self._journal.append(
                         ev.KvObjectRemoved(
-                            event_id=ev.new_event_id(), occurred_at=now, key=key, reason=reason
+                            event_id=self._next_event_id(), occurred_at=now, key=key, reason=reason
                         )
                     )
                     for node in nodes:
@@ -358,9 +404,11 @@ class StoreMaster:
         metrics.STORE_OBJECTS.set(len(self.state))
 
     async def _flush_journal(self) -> None:
-        """Publish the journal in small chunks, yielding between them: a request that
-        arrives meanwhile is answered before the rest of the journal is serialised (the
-        journal is off the reply path; it must not delay the next reply either)."""
+        """Publish the journal in chunks (one acknowledgement each: `publish_many_barrier`),
+        yielding between them: a request that arrives meanwhile is answered before the rest
+        of the journal is serialised (the journal is off the reply path; it must not delay
+        the next reply either). 64 per chunk measured cheaper than 16 for the master and the
+        broker (probe A/B: master CPU 8.8 -> 7.8 ms per 192 object ops)."""
         if self.publisher is None or not self._journal:
             return
         batch, self._journal = self._journal, []
@@ -369,7 +417,7 @@ class StoreMaster:
             while sent < len(batch):
                 await asyncio.sleep(0)
                 chunk = batch[sent : sent + JOURNAL_CHUNK]
-                await self.publisher.publish_many(chunk)
+                await self.publisher.publish_many_barrier(chunk)
                 sent += len(chunk)
         except Exception:
             log.exception("journal publish of %d event(s) failed; kept for retry", len(batch))
@@ -385,7 +433,23 @@ class StoreMaster:
                 self._journal_ready.set()
 
 
-JOURNAL_CHUNK = 16
+JOURNAL_CHUNK = 64
+
+
+def replica_json(r: Replica) -> dict[str, Any]:
+    """A replica as `protocol.ReplicaWire` serialises it."""
+    return {
+        "segment_id": r.segment_id,
+        "node_id": r.node_id,
+        "tier": r.tier.value,
+        "offset": r.offset,
+        "size": r.size,
+        "state": r.state.value,
+    }
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def new_state(settings: StoreSettings, seed: int | None = None) -> ms.MasterState:

@@ -64,6 +64,69 @@ async def test_publish_batch_gives_each_message_its_own_result(settings: Setting
         await nc.close()
 
 
+async def _stream_events(js: nats.js.JetStreamContext, stream: str) -> list[str]:
+    """The event ids a stream holds, in stream order."""
+    info = await js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await js.get_msg(stream, seq)
+        out.append(ev.parse_event(msg.data).event_id)
+    return out
+
+
+@pytest.mark.parametrize("failure", ["none", "last_fails", "reconnected"])
+async def test_a_barrier_publish_stores_every_event_once_in_order(
+    settings: Settings, failure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`publish_many_barrier`: plain publishes and one ack for the last. When that ack
+    fails, or the connection was re-established meanwhile, everything goes again one by one
+    and dedupe keeps each event once."""
+    ns = ev.Namespace(settings.namespace)
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, settings)
+        pub = Publisher(nc, js, ns, timeout_s=2.0)
+        events = [
+            ev.KvObjectStored(key=f"barrier-{failure}-{i}", size_bytes=i + 1, replicas=[])
+            for i in range(40)
+        ]
+        calls = Counter[str]()
+        real_js_publish, real_publish = js.publish, nc.publish
+
+        async def js_publish(*a: object, **kw: object) -> object:
+            calls["ack"] += 1
+            if failure == "last_fails" and calls["ack"] == 1:
+                raise nats.errors.TimeoutError
+            return await real_js_publish(*a, **kw)  # type: ignore[arg-type]
+
+        async def publish(*a: object, **kw: object) -> None:
+            calls["plain"] += 1
+            if failure == "reconnected" and calls["plain"] == 10:
+                nc.stats["reconnects"] += 1  # as if the connection dropped here
+            await real_publish(*a, **kw)  # type: ignore[arg-type]
+
+        real_async = js.publish_async
+
+        async def publish_async(*a: object, **kw: object) -> object:
+            calls["one_by_one"] += 1
+            return await real_async(*a, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(js, "publish", js_publish)
+        monkeypatch.setattr(js, "publish_async", publish_async)
+        monkeypatch.setattr(nc, "publish", publish)
+        await pub.publish_many_barrier(events[:20])
+        await pub.publish_many_barrier(events[20:])
+        assert calls["ack"] == 2  # one acked publish per call
+        assert calls["one_by_one"] == (0 if failure == "none" else 20)
+        assert calls["plain"] >= 38  # 19 plain per call (acked publishes use it too)
+        ours = {e.event_id for e in events}
+        stored = [e for e in await _stream_events(js, ns.stream("MC_META")) if e in ours]
+        assert stored == [e.event_id for e in events]
+    finally:
+        await nc.close()
+
+
 async def test_retry_then_dead_letter_and_good_messages_flow(settings: Settings) -> None:
     ns = ev.Namespace(settings.namespace)
     bus = BusSettings(max_deliver=3, nak_base_delay_s=0.01, nak_max_delay_s=0.05)
