@@ -1,7 +1,8 @@
 """Baselines for `mooncake bench store`, and the raw transport throughput measured against them.
 
 - `tcp_baseline_gbps`: two plain processes over loopback; one `sendall`s, the other
-  `recv_into`s a preallocated buffer. What a transport over tcp could reach at best.
+  `recv_into`s a preallocated buffer (each object into its own place of it, or all into one
+  place). What a transport over tcp could reach at best.
 - `memcpy_baseline_gbps`: one plain memory copy of the same bytes (the shm transport's ceiling).
 - `transport_gbps`: a `TransportServer` with one DRAM segment in a separate process, written
   and read from this one through a `Transport` client.
@@ -35,28 +36,28 @@ def _count(size: int, total_bytes: int) -> int:
 # --- tcp baseline -------------------------------------------------------------------------------
 
 
-def _receiver(conn: Connection, size: int, count: int) -> None:
+def _receiver(conn: Connection, size: int, count: int, slots: int) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send(listener.getsockname()[1])
     sock, _ = listener.accept()
-    buf = bytearray(size)
-    view = memoryview(buf)
+    buf = bytearray(b"\x01") * (size * slots)  # touched: no page faults while timed
+    views = [memoryview(buf)[i * size : (i + 1) * size] for i in range(slots)]
     stamp = bytearray(_STAMP.size)
     _recv_exact(sock, memoryview(stamp))
-    for _ in range(count):
-        _recv_exact(sock, view)
+    for i in range(count):
+        _recv_exact(sock, views[i % slots])
     end = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process on the host
     conn.send(end - _STAMP.unpack(stamp)[0])
     sock.close()
     listener.close()
 
 
-def _sender(port: int, size: int, count: int) -> None:
+def _sender(port: int, size: int, count: int, slots: int) -> None:
     sock = socket.create_connection(("127.0.0.1", port))
-    data = os.urandom(size)
+    data = [os.urandom(size) for _ in range(slots)]
     sock.sendall(_STAMP.pack(time.monotonic_ns()))
-    for _ in range(count):
-        sock.sendall(data)
+    for i in range(count):
+        sock.sendall(data[i % slots])
     sock.close()
 
 
@@ -69,16 +70,21 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def tcp_baseline_gbps(size: int, total_bytes: int) -> float:
+def tcp_baseline_gbps(size: int, total_bytes: int, slots: int = 1) -> float:
+    """`slots` distinct objects are sent, each received into its own place of a
+    preallocated, pre-touched buffer (as a store batch lands in distinct places of a
+    segment); with 1, the same bytes go into one buffer again and again (cache-hot when the
+    object fits in the CPU's cache)."""
     count = _count(size, total_bytes)
+    slots = max(1, min(slots, count))
     parent, child = _CTX.Pipe()
-    recv_proc = _CTX.Process(target=_receiver, args=(child, size, count), daemon=True)
+    recv_proc = _CTX.Process(target=_receiver, args=(child, size, count, slots), daemon=True)
     recv_proc.start()
     try:
         if not parent.poll(_TIMEOUT_S):
             raise TimeoutError("baseline receiver did not start")
         port = parent.recv()
-        send_proc = _CTX.Process(target=_sender, args=(port, size, count), daemon=True)
+        send_proc = _CTX.Process(target=_sender, args=(port, size, count, slots), daemon=True)
         send_proc.start()
         if not parent.poll(_TIMEOUT_S):
             raise TimeoutError("baseline transfer did not finish")

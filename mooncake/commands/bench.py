@@ -30,8 +30,11 @@ def bench_bus(
 
 @bench_app.command("store")
 def bench_store(
-    total_mib: Annotated[int, typer.Option(help="MiB moved per transport and object size")] = 256,
+    total_mib: Annotated[int, typer.Option(help="MiB moved per transport and object size")] = 768,
     small_ops: Annotated[int, typer.Option(help="4 KiB objects for the small-op rates")] = 20000,
+    reps: Annotated[
+        int, typer.Option(help="blocks per size, each with its own baselines (median used)")
+    ] = 3,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Store put/get GB/s per transport and object size vs plain tcp / memcpy baselines,
@@ -40,7 +43,7 @@ def bench_store(
 
     try:
         result = asyncio.run(
-            run_store_bench(total_mib=total_mib, small_ops=small_ops, log=err.print)
+            run_store_bench(total_mib=total_mib, small_ops=small_ops, reps=reps, log=err.print)
         )
     except ValueError as exc:
         err.print(f"[red]{exc}[/red]")
