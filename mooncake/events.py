@@ -31,6 +31,7 @@ SCHEMA_VERSION = 1
 ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 # NATS subject tokens may not contain '.', '*', '>' or whitespace.
 TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+REPLY_SUBJECT_PATTERN = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
 
 Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
 SubjectToken = Annotated[str, Field(pattern=TOKEN_PATTERN)]
@@ -109,8 +110,10 @@ class RequestSubmitted(RequestEvent):
     params: SamplingParams = SamplingParams()
     slo_class: SubjectToken = "default"
     client_id: SubjectToken | None = None
-    # Core NATS subject the tokens and the outcome are streamed to.
-    reply_to: Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z0-9_.>*-]+$")] | None = None
+    # Core NATS subject the tokens and the outcome are streamed to: a literal subject (no
+    # wildcards: a publish there would reach every matching listener). The Conductor also
+    # refuses the system's own subjects (`ingress.reserved_reply_prefixes`).
+    reply_to: Annotated[str, Field(max_length=256, pattern=REPLY_SUBJECT_PATTERN)] | None = None
     deadline_s: Annotated[float, Field(gt=0)] | None = None
 
     @model_validator(mode="after")
@@ -260,9 +263,7 @@ class InstanceRegistered(Event):
     type: Literal["instance.registered"] = "instance.registered"
 
     instance_id: SubjectToken
-    role: Literal[
-        "prefill", "decode", "store", "store_master", "conductor", "recorder", "gateway"
-    ]
+    role: Literal["prefill", "decode", "store", "store_master", "conductor", "recorder", "gateway"]
     host: Annotated[str, Field(max_length=255)] = ""
     endpoint: Annotated[str, Field(max_length=255)] = ""
     capacity: dict[str, float] = {}

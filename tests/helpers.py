@@ -16,6 +16,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from mooncake.config import Settings
 
+# deploy/nats: the broker configs, and the users auth.conf defines (one per role).
+NATS_DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "nats"
+NATS_ROLES = (
+    "admin",
+    "recorder",
+    "conductor",
+    "prefill",
+    "decode",
+    "store-master",
+    "store-node",
+    "gateway",
+)
+
 
 def worker_env(settings: Settings) -> dict[str, str]:
     """Environment for a worker subprocess that runs against `settings`."""

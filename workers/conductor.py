@@ -117,6 +117,7 @@ class Conductor:
         self._tokenizer = tokenizer
         self._vocab = tokenizer.vocab_size if tokenizer is not None else s.engine.dummy.vocab
         self._policy: admission.Policy = s.admission_policy
+        self._reserved = ingress.reserved_reply_prefixes(ctx.ns.prefix)
         self._cfg = conductor_config(s)
         self._costs = costs
         self._clock = clock
@@ -208,7 +209,7 @@ class Conductor:
             return None
         limit = self._client_limit
         return ev.RequestRejected(
-            event_id=ev.derived_event_id(request.event_id, "rejected"),
+            event_id=dispatch.decision_event_id(request, "rejected"),
             request_id=request.request_id,
             reason=RejectReason.CLIENT_RATE_LIMITED,
             stage="ingress",
@@ -331,7 +332,7 @@ class Conductor:
             pub.count(event.type)
             if i in works:
                 work = works[i]
-                headers = {MSG_ID: dispatch.prefill_work_msg_id(request.event_id)}
+                headers = {MSG_ID: dispatch.prefill_work_msg_id(request)}
                 with trace.use_span(spans[i], end_on_exit=False):
                     inject_headers(headers)  # the trace continues on the prefill instance
                 subject = self._subjects.prefill(work.prefill_instance)
@@ -363,7 +364,9 @@ class Conductor:
             subject=self._ctx.ns.canonical(d.subject),
             max_bytes=self._ctx.settings.bus.max_event_bytes,
         )
-        decision = ingress.judge(parsed, msg_id=d.headers.get(MSG_ID), now=ev.utcnow())
+        decision = ingress.judge(
+            parsed, msg_id=d.headers.get(MSG_ID), now=ev.utcnow(), reserved=self._reserved
+        )
         match decision:
             case ingress.Accept(request=request):
                 return request

@@ -2,7 +2,8 @@
 
 Exactly-once effect: the insert is `ON CONFLICT (event_id) DO NOTHING ... RETURNING`, and
 only the events that were really inserted are folded into the projections, in the same
-transaction. A redelivered batch (recorder killed before its acks) inserts nothing new and
+transaction (an id reused for another entity is recorded under a derived id:
+`record_events`). A redelivered batch (recorder killed before its acks) inserts nothing new and
 changes nothing.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ TABLES: dict[str, Table] = {
     "instances": InstanceRow.__table__,  # type: ignore[dict-item]
 }
 DLQ_PAYLOAD_LIMIT = 64 * 1024
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,23 +130,75 @@ def _any(column: Column[Any], values: list[str]) -> Any:
 async def record_events(conn: AsyncConnection, batch: Sequence[Incoming]) -> RecordResult:
     """Insert the batch into `events` and fold what was new into the projections.
 
+    An event id identifies an event *of one entity*: a message whose id is already recorded
+    for the same entity is a duplicate (a redelivery, a client's retry) and changes nothing.
+    One whose id is recorded for another entity (two requests whose client reused an event
+    id) is a different fact, recorded under an id derived from its stream place
+    (`reused_event_id`), so a redelivery of it is still a duplicate.
+
     Must run inside a transaction (the caller commits, then acks the messages).
     """
-    unique: dict[str, Incoming] = {}
+    unique: dict[tuple[str, str], Incoming] = {}
     for item in batch:
-        unique.setdefault(item.event.event_id, item)
+        unique.setdefault((item.event.event_id, _entity(item)), item)
     if not unique:
         return RecordResult(0, len(batch), 0)
+    first: dict[str, Incoming] = {}
+    for item in unique.values():
+        first.setdefault(item.event.event_id, item)
+    new = await _insert_events(conn, list(first.values()))
+    recorded = {id(i) for i in new}
+    missed = [i for i in unique.values() if id(i) not in recorded]
+    if missed:  # rare: redeliveries, retries, reused ids
+        owners = await _entities_of(conn, [i.event.event_id for i in missed])
+        reused: dict[int, tuple[str, Incoming]] = {}  # id(re-keyed item) -> (its old id, it)
+        for i in missed:
+            if owners.get(i.event.event_id) != _entity(i):
+                r = _reused(i)
+                reused[id(r)] = (i.event.event_id, r)
+        if reused:
+            for r in await _insert_events(conn, [r for _, r in reused.values()]):
+                log.warning(  # only when recorded: a redelivery of it is a plain duplicate
+                    "event id %s of %s (%s seq %d) is recorded for another entity; its own: %s",
+                    reused[id(r)][0], _entity(r), r.stream, r.seq, r.event.event_id,
+                )  # fmt: skip
+                new.append(r)
+    illegal = await _update_projections(conn, new)
+    return RecordResult(len(new), len(batch) - len(new), illegal)
+
+
+def reused_event_id(event_id: str, stream: str, seq: int) -> str:
+    """The id a reused event id is recorded under (deterministic: a redelivery of the same
+    stream message maps to the same id)."""
+    return ev.derived_event_id(event_id, f"reused:{stream}:{seq}")
+
+
+def _entity(i: Incoming) -> str:
+    return proj.entity_of(i.event)
+
+
+def _reused(i: Incoming) -> Incoming:
+    new_id = reused_event_id(i.event.event_id, i.stream, i.seq)
+    return Incoming(i.event.model_copy(update={"event_id": new_id}), i.stream, i.seq, i.subject)
+
+
+async def _insert_events(conn: AsyncConnection, items: list[Incoming]) -> list[Incoming]:
+    """Insert; the items that were new (not already recorded under their id)."""
     stmt = _unnest_insert(
         EVENTS.name, EVENT_COLUMNS, "ON CONFLICT (event_id) DO NOTHING RETURNING event_id"
     )
-    rows = [_event_row(i) for i in unique.values()]
+    rows = [_event_row(i) for i in items]
     params = _columns_of(rows, EVENTS, EVENT_COLUMNS, json_text=frozenset({"payload"}))
     result = await conn.exec_driver_sql(stmt, params)
     inserted_ids = set(result.scalars())
-    new = [i for i in unique.values() if i.event.event_id in inserted_ids]
-    illegal = await _update_projections(conn, new)
-    return RecordResult(len(new), len(batch) - len(new), illegal)
+    return [i for i in items if i.event.event_id in inserted_ids]
+
+
+async def _entities_of(conn: AsyncConnection, event_ids: list[str]) -> dict[str, str]:
+    rows = await conn.execute(
+        select(EVENTS.c.event_id, EVENTS.c.entity).where(_any(EVENTS.c.event_id, event_ids))
+    )
+    return {event_id: entity for event_id, entity in rows}
 
 
 async def _update_projections(conn: AsyncConnection, new: list[Incoming]) -> int:

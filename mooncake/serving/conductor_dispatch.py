@@ -1,8 +1,11 @@
 """Pure pieces of the Conductor's dispatch: a Decision -> the events and the work it sends.
 
-Ids are derived from the submission (`derived_event_id`), so a redelivered submission
-produces the same events and the same `PrefillWork` message id, and the broker's dedupe
-window and the recorder's unique index drop the copies.
+Ids are derived from the submission (`derived_event_id` of `submission_key`), so a
+redelivered submission produces the same events and the same `PrefillWork` message id, and
+the broker's dedupe window and the recorder's unique index drop the copies. The key is the
+request id *and* the client's event id: the event id alone is the client's to choose, and two
+requests that reuse one (a careless or hostile client) would otherwise get one decision id,
+and the broker would drop the second request's decision as a duplicate of the first.
 """
 
 from __future__ import annotations
@@ -15,9 +18,19 @@ from mooncake.events import RejectReason
 from mooncake.work import PrefillWork, Timing
 
 
-def prefill_work_msg_id(submission_event_id: str) -> str:
+def submission_key(request: ev.RequestSubmitted) -> str:
+    """What the ids derived from a submission are derived from (see the module's doc)."""
+    return f"{request.request_id}/{request.event_id}"
+
+
+def decision_event_id(request: ev.RequestSubmitted, kind: str) -> str:
+    """The id of the submission's `admitted` or `rejected` event."""
+    return ev.derived_event_id(submission_key(request), kind)
+
+
+def prefill_work_msg_id(request: ev.RequestSubmitted) -> str:
     """`Nats-Msg-Id` of a request's first PrefillWork."""
-    return ev.derived_event_id(submission_event_id, "prefill-work-1")
+    return ev.derived_event_id(submission_key(request), "prefill-work-1")
 
 
 def redispatch_msg_id(old_msg_id: str, attempt: int) -> str:
@@ -40,7 +53,7 @@ def admitted_event(
     request: ev.RequestSubmitted, decision: Decision, inputs: dict[str, Any]
 ) -> ev.RequestAdmitted:
     return ev.RequestAdmitted(
-        event_id=ev.derived_event_id(request.event_id, "admitted"),
+        event_id=decision_event_id(request, "admitted"),
         request_id=request.request_id,
         policy=decision.policy,
         prefill_instance=decision.prefill_instance,
@@ -59,7 +72,7 @@ def rejected_event(
     assert decision.reason is not None
     stage = decision.stage if decision.stage in ("admission", "prefill", "decode") else "admission"
     return ev.RequestRejected(
-        event_id=ev.derived_event_id(request.event_id, "rejected"),
+        event_id=decision_event_id(request, "rejected"),
         request_id=request.request_id,
         reason=decision.reason,
         stage=stage,
@@ -72,7 +85,7 @@ def rejected_event(
 
 def invalid_event(request: ev.RequestSubmitted, detail: str) -> ev.RequestRejected:
     return ev.RequestRejected(
-        event_id=ev.derived_event_id(request.event_id, "rejected"),
+        event_id=decision_event_id(request, "rejected"),
         request_id=request.request_id,
         reason=RejectReason.INVALID_REQUEST,
         stage="admission",

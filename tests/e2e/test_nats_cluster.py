@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
@@ -41,21 +42,12 @@ from mooncake.serving.models import build_engine
 from mooncake.serving.streaming import resume_tokens
 from workers.recorder import EVENT_CONSUMERS
 
+from helpers import NATS_DEPLOY as DEPLOY
+from helpers import NATS_ROLES as ROLES
 from helpers import Worker, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats"
-ROLES = (
-    "admin",
-    "recorder",
-    "conductor",
-    "prefill",
-    "decode",
-    "store-master",
-    "store-node",
-    "gateway",
-)
 PASSWORDS = {role: f"cluster-{role}-{uuid.uuid4().hex[:8]}" for role in ROLES}
 ROUTE_PASSWORD = "cluster-route-" + uuid.uuid4().hex[:8]
 NS = ev.Namespace()  # auth.conf is written for the default namespace
@@ -316,7 +308,16 @@ async def recovered(js: JetStreamContext, out: Answer) -> dict[int, int]:
 async def terminal_events(js: JetStreamContext) -> dict[str, list[ev.Event]]:
     """Every request's terminal events, as the durable record (MC_REQ) holds them."""
     ended: dict[str, list[ev.Event]] = {}
-    sub = await js.subscribe(NS.subject("mc.req.>"), ordered_consumer=True)
+    # Creating the consumer is a JetStream API call: right after a node was killed it can
+    # time out while the cluster elects a new meta leader (seen once in CI, under load).
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            sub = await js.subscribe(NS.subject("mc.req.>"), ordered_consumer=True)
+            break
+        except nats.errors.TimeoutError:
+            assert time.monotonic() < deadline, "no consumer on MC_REQ within 60 s"
+            await asyncio.sleep(1.0)
     try:
         while True:
             try:

@@ -78,7 +78,6 @@ async def test_killed_node_and_restarted_master(
         got = await client.get("two")
         assert got is not None and bytes(got) == two
 
-
         async def dropped() -> bool:  # the master notices the missed heartbeats
             return not await client.exists("only-b")
 

@@ -114,7 +114,7 @@ class Cluster:
         return got
 
     async def submit(self, rid: str, **kw: Any) -> ev.RequestSubmitted:
-        req = ev.RequestSubmitted(request_id=rid, reply_to=f"{self.ns.prefix}.reply.{rid}", **kw)
+        req = ev.RequestSubmitted(request_id=rid, reply_to=f"_INBOX.{self.ns.prefix}.{rid}", **kw)
         self.replies[rid] = []
         await self.nc.subscribe(req.reply_to or "", cb=self._reply(rid))
         await Publisher(self.nc, self.js, self.ns).publish(req)
@@ -229,7 +229,7 @@ async def test_admits_to_the_prefix_holder_and_dispatches_its_work(
         assert work.timing.submitted_at == pytest.approx(req.occurred_at.timestamp())
         assert work.timing.deadline_at == pytest.approx(work.timing.submitted_at + 60.0)
         assert msg.headers and msg.headers["Nats-Msg-Id"] == ev.derived_event_id(
-            req.event_id, "prefill-work-1"
+            f"{req.request_id}/{req.event_id}", "prefill-work-1"
         )
         await msg.ack()
         # The decision reached the client too.

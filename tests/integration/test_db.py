@@ -85,3 +85,33 @@ async def test_verify_detects_a_projection_that_drifted(engine: AsyncEngine) -> 
     assert diffs and "output_tokens" in diffs[0]
     await rebuild(engine)
     assert await verify(engine) == []
+
+
+async def test_an_event_id_reused_for_another_request_is_recorded_once_per_request(
+    engine: AsyncEngine,
+) -> None:
+    """A client that reuses an event id for two requests: both submissions are facts (each
+    request gets its row); the same message delivered again is still a duplicate."""
+
+    def submitted(rid: str, seq: int) -> Incoming:
+        e = ev.RequestSubmitted(event_id="NaN", request_id=rid, token_ids=[1], occurred_at=T0)
+        return Incoming(e, "MC_REQ", seq, e.SUBJECT)
+
+    a, b, c = submitted("a", 1), submitted("b", 2), submitted("c", 3)
+    async with engine.begin() as conn:
+        first = await record_events(conn, [a, b])  # the reuse inside one batch
+    async with engine.begin() as conn:
+        second = await record_events(conn, [c, b, a])  # across batches, and redeliveries
+    assert (first.inserted, first.duplicates) == (2, 0)
+    assert (second.inserted, second.duplicates) == (1, 2)
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(text("SELECT request_id, event_id FROM events ORDER BY stream_seq"))
+        ).all()
+        live = await read_projections(conn)
+    assert [r for r, _ in rows] == ["a", "b", "c"]
+    assert rows[0][1] == "NaN" and len({e for _, e in rows}) == 3
+    assert {k: v["status"] for k, v in live["requests"].items()} == dict.fromkeys(
+        "abc", "submitted"
+    )
+    assert await verify(engine) == []

@@ -48,21 +48,12 @@ from mooncake.work import DecodeWork, PrefillWork, Timing, TokenChunk, WorkSubje
 from workers.conductor import SUBMITTED
 from workers.recorder import EVENT_CONSUMERS
 
+from helpers import NATS_DEPLOY as DEPLOY
+from helpers import NATS_ROLES as ROLES
 from helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats"
-ROLES = (
-    "admin",
-    "recorder",
-    "conductor",
-    "prefill",
-    "decode",
-    "store-master",
-    "store-node",
-    "gateway",
-)
 PASSWORDS = {role: f"test-{role}-{uuid.uuid4().hex[:12]}" for role in ROLES}
 NS = ev.Namespace()  # auth.conf is written for the default namespace
 WORK = WorkSubjects(NS)

@@ -126,7 +126,8 @@ def _decision(admitted: bool) -> cd.Decision:
 def test_events_and_work_from_a_decision_have_derived_ids() -> None:
     req = _request(deadline_s=30.0, reply_to="inbox.r1")
     admitted = dispatch.admitted_event(req, _decision(True), {"k": 1})
-    assert admitted.event_id == ev.derived_event_id(req.event_id, "admitted")
+    key = f"{req.request_id}/{req.event_id}"
+    assert admitted.event_id == ev.derived_event_id(key, "admitted")
     assert (admitted.prefill_instance, admitted.cached_prefix_tokens) == ("p1", 32)
     work = dispatch.prefill_work(req, _decision(True), [1, 2, 3], admitted.event_id, 16)
     assert (work.cached_blocks, work.local_blocks, work.attempt) == (2, 1, 1)
@@ -134,11 +135,13 @@ def test_events_and_work_from_a_decision_have_derived_ids() -> None:
     assert work.timing.deadline_at == work.timing.submitted_at + 30.0
     assert work.reply_to == "inbox.r1" and work.admitted_event_id == admitted.event_id
     rejected = dispatch.rejected_event(req, _decision(False), {})
-    assert rejected.event_id == ev.derived_event_id(req.event_id, "rejected")
+    assert rejected.event_id == ev.derived_event_id(key, "rejected")
     assert (rejected.reason, rejected.stage) == (ev.RejectReason.TTFT_SLO, "admission")
-    assert dispatch.prefill_work_msg_id(req.event_id) == ev.derived_event_id(
-        req.event_id, "prefill-work-1"
-    )
+    assert dispatch.prefill_work_msg_id(req) == ev.derived_event_id(key, "prefill-work-1")
+    # Another request that reuses the client's event id gets ids of its own.
+    other = req.model_copy(update={"request_id": "another"})
+    assert dispatch.decision_event_id(other, "admitted") != admitted.event_id
+    assert dispatch.prefill_work_msg_id(other) != dispatch.prefill_work_msg_id(req)
     # Re-dispatch ids follow the message replaced: two DecodeWork messages of one request
     # (from two prefill attempts) never share the id of their re-dispatch.
     assert dispatch.redispatch_msg_id("m1", 2) == dispatch.redispatch_msg_id("m1", 2)

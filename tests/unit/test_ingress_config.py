@@ -29,6 +29,35 @@ def test_ingress_accepts_rejects_or_discards() -> None:
     assert isinstance(ingress.judge(unreadable, msg_id="m2", now=now), ingress.Discard)
 
 
+@pytest.mark.parametrize("reply_to", ["mc.req.submitted", "mc.tokens.r2", "mc.store.remove"])
+def test_a_reply_to_inside_the_system_is_rejected(reply_to: str) -> None:
+    """The workers publish decisions and tokens to `reply_to`: naming one of the system's
+    own subjects would make them publish there for the client."""
+    req = ev.RequestSubmitted(request_id="r", prompt="p", reply_to=reply_to)
+    reserved = ingress.reserved_reply_prefixes("mc")
+    decision = ingress.judge(req, msg_id="m", now=ev.utcnow(), reserved=reserved)
+    assert isinstance(decision, ingress.Reject), decision
+    assert decision.event.reason is ev.RejectReason.INVALID_REQUEST
+    assert "reply_to" in decision.event.detail and decision.event.request_id == "r"
+    inbox = req.model_copy(update={"reply_to": "_INBOX.abc"})
+    assert ingress.judge(inbox, msg_id="m", now=ev.utcnow(), reserved=reserved) == (
+        ingress.Accept(inbox)
+    )
+    # Another namespace's subjects are not this one's.
+    other = ingress.reserved_reply_prefixes("prod")
+    assert ingress.judge(inbox, msg_id="m", now=ev.utcnow(), reserved=other) == (
+        ingress.Accept(inbox)
+    )
+
+
+@pytest.mark.parametrize(
+    "reply_to", ["mc.req.>", "_INBOX.*", "a..b", ".a", "a.", "a b", "$JS.API.STREAM.DELETE.X"]
+)
+def test_a_reply_to_must_be_a_literal_subject(reply_to: str) -> None:
+    with pytest.raises(ValidationError, match="reply_to"):
+        ev.RequestSubmitted(request_id="r", prompt="p", reply_to=reply_to)
+
+
 def test_settings_from_environment_with_nested_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOONCAKE_NAMESPACE", "alpha")
     monkeypatch.setenv("MOONCAKE_SLO__TTFT_S", "10")
