@@ -519,6 +519,7 @@ def test_fuzzed_batches_through_the_broker_are_all_accounted_for(
         # A request id can be drawn twice (the strategy's fixed bad ids): one row each.
         expected = {*readable, good.request_id}
         unreadable = {a.seq for a, s in zip(acks, samples, strict=True) if s.request_id is None}
+        stream = acks[0].stream
         deadline = time.monotonic() + 60
         while True:
             decided = await _rows(
@@ -528,27 +529,56 @@ def test_fuzzed_batches_through_the_broker_are_all_accounted_for(
             )  # fmt: skip
             dead = await _rows(
                 url, "SELECT stream_seq FROM dead_letters WHERE consumer = 'conductor' "
-                "AND stream_seq = ANY(%s)", list(unreadable),
+                "AND stream = %s AND stream_seq = ANY(%s)", stream, list(unreadable),
             )  # fmt: skip
             counts = dict(decided)
             if len(counts) == len(expected) and len(dead) == len(unreadable):
                 break
             assert all(w.proc is not None and w.proc.poll() is None for w in procs.workers)
-            assert time.monotonic() < deadline, (
-                f"{len(counts)}/{len(expected)} decided ({sorted(expected - set(counts))} not), "
-                f"{len(dead)}/{len(unreadable)} "
-                "dead-lettered"
-            )
+            if time.monotonic() > deadline:
+                pytest.fail(await _broker_fuzz_report(procs, samples, acks, counts, dead))
             await asyncio.sleep(0.25)
         # One decision per submission: a request id submitted once has exactly one.
         once = [rid for rid in expected if readable.count(rid) <= 1]
-        assert all(counts[rid] == 1 for rid in once), counts
+        if not all(counts[rid] == 1 for rid in once):
+            pytest.fail(await _broker_fuzz_report(procs, samples, acks, counts, dead))
         status = await _rows(
             url, "SELECT status FROM requests WHERE request_id = %s", good.request_id
         )
         assert status == [("admitted",)], status
 
     procs.run_with_fake_instances(check())
+
+
+async def _broker_fuzz_report(
+    procs: Procs,
+    samples: list[Sample],
+    acks: list[Any],
+    counts: dict[str, int],
+    dead: list[tuple[Any, ...]],
+) -> str:
+    """What the record holds of each submission the broker fuzz found wrong (undecided,
+    decided twice, not dead-lettered), with the processes' logs: enough to tell why."""
+    url = procs.settings.database_url
+    assert url
+    dead_seqs = {seq for (seq,) in dead}
+    lines = []
+    for ack, sample in zip(acks, samples, strict=True):
+        rid = sample.request_id
+        if (rid is None and ack.seq in dead_seqs) or (rid is not None and counts.get(rid) == 1):
+            continue
+        rows = await _rows(
+            url, "SELECT type, event_id, stream_seq, payload->>'reason' FROM events "
+            "WHERE request_id = %s ORDER BY id", rid or "",
+        )  # fmt: skip
+        letters = await _rows(
+            url, "SELECT consumer, reason, detail FROM dead_letters WHERE stream = %s "
+            "AND stream_seq = %s", ack.stream, ack.seq,
+        )  # fmt: skip
+        lines.append(f"seq {ack.seq} rid {rid}: events {rows}, dead letters {letters}, "
+                     f"sent {sample.data[:300]!r}")  # fmt: skip
+    logs = [f"--- {w.role} log (tail) ---\n{w.log()[-4000:]}" for w in procs.workers]
+    return "\n".join(["submissions not accounted for:", *lines, *logs])
 
 
 # --- store control --------------------------------------------------------------------------------
