@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import KeyValueConfig, PubAck, StorageType
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from opentelemetry import trace
@@ -209,7 +209,7 @@ class Conductor:
             return None
         limit = self._client_limit
         return ev.RequestRejected(
-            event_id=dispatch.decision_event_id(request, "rejected"),
+            event_id=dispatch.decision_event_id(request),
             request_id=request.request_id,
             reason=RejectReason.CLIENT_RATE_LIMITED,
             stage="ingress",
@@ -323,8 +323,9 @@ class Conductor:
                 items.append(pub.prepare(first))
             decided.append((i, request, first))
         results = await pub.publish_batch(items)
+        await self._adopt_stored(decided, results, works, stages)
         work_items: list[tuple[str, bytes, dict[str, str]]] = []
-        work_of: list[int] = []
+        work_of: list[tuple[int, ev.RequestSubmitted, ev.RequestAdmitted]] = []
         for (i, request, event), result in zip(decided, results, strict=True):
             if isinstance(result, BaseException):
                 outcomes[i] = _failed(spans[i], result)
@@ -337,19 +338,75 @@ class Conductor:
                     inject_headers(headers)  # the trace continues on the prefill instance
                 subject = self._subjects.prefill(work.prefill_instance)
                 work_items.append((subject, work.to_json(), headers))
-                work_of.append(i)
+                assert isinstance(event, ev.RequestAdmitted)
+                work_of.append((i, request, event))
             else:
                 assert isinstance(event, ev.RequestRejected)
                 metrics.REQUESTS_REJECTED.labels(stages[i], event.reason.value).inc()
                 await self._reply(request, event)
-        for i, result in zip(work_of, await pub.publish_batch(work_items), strict=True):
+        sent = await pub.publish_batch(work_items)
+        for (i, request, admitted), result in zip(work_of, sent, strict=True):
             if isinstance(result, BaseException):
                 outcomes[i] = _failed(spans[i], result)
                 continue
-            request, plan = plans[i]
-            admitted = plan[0]  # type: ignore[index]
             metrics.REQUESTS_ADMITTED.labels(admitted.policy).inc()
             await self._reply(request, admitted)
+
+    async def _adopt_stored(
+        self,
+        decided: list[tuple[int, ev.RequestSubmitted, ev.RequestAdmitted | ev.RequestRejected]],
+        results: list[PubAck | BaseException],
+        works: dict[int, PrefillWork],
+        stages: dict[int, str],
+    ) -> None:
+        """Where the broker already held a decision of the submission (its ack says
+        duplicate), that decision stands, not the one just made: read it back (the ack names
+        its stream place) and act on it (`conductor_dispatch`'s doc says when this happens)."""
+        dups = [k for k, r in enumerate(results) if isinstance(r, PubAck) and r.duplicate]
+        if not dups:
+            return
+        stored = await asyncio.gather(
+            *(self._stored_decision(results[k], decided[k][1]) for k in dups),  # type: ignore[arg-type]
+            return_exceptions=True,
+        )
+        now = self._clock()
+        for k, kept in zip(dups, stored, strict=True):
+            i, request, ours = decided[k]
+            if isinstance(kept, BaseException):
+                results[k] = kept  # the submission is retried
+                continue
+            if dispatch.same_decision(kept, ours):
+                continue
+            log.warning(
+                "%s was decided before (%s); that decision stands, not this one (%s)",
+                request.request_id, kept.type, ours.type,
+            )  # fmt: skip
+            decided[k] = (i, request, kept)
+            if isinstance(ours, ev.RequestAdmitted):  # undo what planning it applied
+                self.view.apply(cl.RequestDropped(request.request_id), now)
+                self.known.forget(request.request_id)
+                works.pop(i, None)
+            if isinstance(kept, ev.RequestAdmitted):
+                tokens = self._prompt_tokens(request)
+                assert not isinstance(tokens, str), tokens  # an admitted prompt was valid
+                s = self._ctx.settings
+                works[i] = dispatch.prefill_work_of_admission(request, kept, tokens, s.block_tokens)
+                self.known.add(request.request_id, Known(request.reply_to, kept.event_id))
+                stages.pop(i, None)
+            else:
+                stages[i] = kept.stage
+
+    async def _stored_decision(
+        self, ack: PubAck, request: ev.RequestSubmitted
+    ) -> ev.RequestAdmitted | ev.RequestRejected:
+        msg = await self._ctx.js.get_msg(ack.stream, ack.seq)
+        kept = ev.parse_event(msg.data or b"", subject=self._ctx.ns.canonical(msg.subject or ""))
+        if (
+            not isinstance(kept, ev.RequestAdmitted | ev.RequestRejected)
+            or kept.request_id != request.request_id
+        ):
+            raise RuntimeError(f"{ack.stream} seq {ack.seq} is not a decision of this request")
+        return kept
 
     async def _reply(self, request: ev.RequestSubmitted, event: ev.Event) -> None:
         """The decision to the client too (core NATS: best effort, the record has it)."""

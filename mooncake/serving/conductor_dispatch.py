@@ -6,6 +6,12 @@ the broker's dedupe window and the recorder's unique index drop the copies. The 
 request id *and* the client's event id: the event id alone is the client's to choose, and two
 requests that reuse one (a careless or hostile client) would otherwise get one decision id,
 and the broker would drop the second request's decision as a duplicate of the first.
+
+A submission has one decision id, whether it is admitted or rejected: a submission decided
+twice (its decision reached the broker but the ack did not reach us, or it was redelivered
+while still being handled) can get a different decision the second time (the cluster moved
+on; a redelivery is not counted against its client's limit), and the broker's dedupe then
+drops the second one. The Conductor acts on the decision the broker kept (`adopt`).
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ def submission_key(request: ev.RequestSubmitted) -> str:
     return f"{request.request_id}/{request.event_id}"
 
 
-def decision_event_id(request: ev.RequestSubmitted, kind: str) -> str:
-    """The id of the submission's `admitted` or `rejected` event."""
-    return ev.derived_event_id(submission_key(request), kind)
+def decision_event_id(request: ev.RequestSubmitted) -> str:
+    """The id of the submission's decision: its `admitted` or its `rejected` event."""
+    return ev.derived_event_id(submission_key(request), "decision")
 
 
 def prefill_work_msg_id(request: ev.RequestSubmitted) -> str:
@@ -53,7 +59,7 @@ def admitted_event(
     request: ev.RequestSubmitted, decision: Decision, inputs: dict[str, Any]
 ) -> ev.RequestAdmitted:
     return ev.RequestAdmitted(
-        event_id=decision_event_id(request, "admitted"),
+        event_id=decision_event_id(request),
         request_id=request.request_id,
         policy=decision.policy,
         prefill_instance=decision.prefill_instance,
@@ -72,7 +78,7 @@ def rejected_event(
     assert decision.reason is not None
     stage = decision.stage if decision.stage in ("admission", "prefill", "decode") else "admission"
     return ev.RequestRejected(
-        event_id=decision_event_id(request, "rejected"),
+        event_id=decision_event_id(request),
         request_id=request.request_id,
         reason=decision.reason,
         stage=stage,
@@ -85,7 +91,7 @@ def rejected_event(
 
 def invalid_event(request: ev.RequestSubmitted, detail: str) -> ev.RequestRejected:
     return ev.RequestRejected(
-        event_id=decision_event_id(request, "rejected"),
+        event_id=decision_event_id(request),
         request_id=request.request_id,
         reason=RejectReason.INVALID_REQUEST,
         stage="admission",
@@ -115,6 +121,42 @@ def prefill_work(
         local_blocks=min(decision.local_prefix_blocks, cached),
         admitted_event_id=admitted_event_id,
     )
+
+
+def same_decision(
+    a: ev.RequestAdmitted | ev.RequestRejected, b: ev.RequestAdmitted | ev.RequestRejected
+) -> bool:
+    """Whether two decisions of one submission lead to the same work (admitted to the same
+    instances). Rejections compare unequal, so the one the broker kept is the one told."""
+    return (
+        isinstance(a, ev.RequestAdmitted)
+        and isinstance(b, ev.RequestAdmitted)
+        and (a.prefill_instance, a.decode_instance) == (b.prefill_instance, b.decode_instance)
+    )
+
+
+def prefill_work_of_admission(
+    request: ev.RequestSubmitted,
+    admitted: ev.RequestAdmitted,
+    token_ids: list[int],
+    block_tokens: int,
+) -> PrefillWork:
+    """The work of an admission read back from the broker (see the module's doc): what
+    `prefill_work` built from the decision, from the fields the event keeps."""
+    local = admitted.inputs.get("local_prefix_blocks", 0)
+    decision = Decision(
+        request_id=request.request_id,
+        policy=admitted.policy,
+        admitted=True,
+        reason=None,
+        now=0.0,
+        prompt_tokens=admitted.prompt_tokens or len(token_ids),
+        prefill_instance=admitted.prefill_instance,
+        decode_instance=admitted.decode_instance,
+        local_prefix_blocks=local if isinstance(local, int) else 0,
+        prefix_tokens=admitted.cached_prefix_tokens,
+    )
+    return prefill_work(request, decision, token_ids, admitted.event_id, block_tokens)
 
 
 def no_instance_delay(num_delivered: int, wait_s: float, max_deliver: int) -> float | None:

@@ -57,6 +57,9 @@ class KnownRequests:
     def get(self, request_id: str) -> Known | None:
         return self._items.get(request_id)
 
+    def forget(self, request_id: str) -> None:
+        self._items.pop(request_id, None)
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -32,6 +32,7 @@ from mooncake.bus.consume import PullConsumer
 from mooncake.bus.publish import Publisher
 from mooncake.config import BusSettings, ConductorSettings, EngineSettings, Settings
 from mooncake.hashing import block_keys
+from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_reaper import Role, work_consumer
 from mooncake.store import protocol as sp
 from mooncake.work import LoadReport, PrefillWork, TokenChunk, WorkSubjects
@@ -113,10 +114,15 @@ class Cluster:
         got: dict[str, Any] = await until(found, wait_s, f"an admission outcome for {rid}")
         return got
 
+    def request(self, rid: str, **kw: Any) -> ev.RequestSubmitted:
+        return ev.RequestSubmitted(request_id=rid, reply_to=f"_INBOX.{self.ns.prefix}.{rid}", **kw)
+
     async def submit(self, rid: str, **kw: Any) -> ev.RequestSubmitted:
-        req = ev.RequestSubmitted(request_id=rid, reply_to=f"_INBOX.{self.ns.prefix}.{rid}", **kw)
-        self.replies[rid] = []
-        await self.nc.subscribe(req.reply_to or "", cb=self._reply(rid))
+        return await self.send(self.request(rid, **kw))
+
+    async def send(self, req: ev.RequestSubmitted) -> ev.RequestSubmitted:
+        self.replies[req.request_id] = []
+        await self.nc.subscribe(req.reply_to or "", cb=self._reply(req.request_id))
         await Publisher(self.nc, self.js, self.ns).publish(req)
         return req
 
@@ -230,6 +236,11 @@ async def test_admits_to_the_prefix_holder_and_dispatches_its_work(
         assert work.timing.deadline_at == pytest.approx(work.timing.submitted_at + 60.0)
         assert msg.headers and msg.headers["Nats-Msg-Id"] == ev.derived_event_id(
             f"{req.request_id}/{req.event_id}", "prefill-work-1"
+        )
+        assert (
+            work.admitted_event_id
+            == out["event_id"]
+            == ev.derived_event_id(f"{req.request_id}/{req.event_id}", "decision")
         )
         await msg.ack()
         # The decision reached the client too.
@@ -389,3 +400,63 @@ async def test_cancel_ends_a_request_exactly_once(nats_url: str, namespace: str)
         final = TokenChunk.model_validate_json(cl.replies["r-cancel"][-1])
         assert final.done and final.finish_reason == "cancelled"
         assert "r-cancel" not in conductor.view.inflight
+
+
+async def test_a_decision_the_broker_already_holds_stands(nats_url: str, namespace: str) -> None:
+    """A submission decided before (its decision reached the broker, its ack did not reach
+    the Conductor, and the submission came again; or it was redelivered while still being
+    handled) may be decided differently the second time. The decision has one id whichever
+    it is, so the broker keeps the first; the Conductor acts on that one: no work for an
+    admission it did not keep, the kept admission's work to the instances it names, and the
+    client told the kept decision."""
+    s = live_settings(nats_url, namespace)
+    toks = tokens(3 * BT)
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "p2": Fake("prefill", "n2")}
+        cl.instances["d1"] = Fake("decode", "n3")
+        cl.kv["n1"] = keys_of(s, toks)  # the Conductor would pick p1, the prefix holder
+        await known(conductor, "p1", "p2", "d1")
+        await until(lambda: _held(conductor, "n1", cl.kv["n1"]), 5, "n1's blocks in the index")
+        work = {p: await cl.bind_work("prefill", p) for p in ("p1", "p2")}
+        pub = Publisher(cl.nc, cl.js, cl.ns)
+
+        # The broker holds a rejection: it stands, and no work goes out.
+        req = cl.request("r-kept-reject", token_ids=toks)
+        kept = ev.RequestRejected(
+            event_id=dispatch.decision_event_id(req), request_id=req.request_id,
+            reason=ev.RejectReason.DECODE_OVERLOADED, stage="admission",
+        )  # fmt: skip
+        await pub.publish(kept)
+        await cl.send(req)
+        await until(lambda: _some(cl.replies[req.request_id]), 10, "the reply")
+        [told] = [json.loads(b) for b in cl.replies[req.request_id]]
+        assert (told["type"], told["event_id"]) == ("request.rejected", kept.event_id), told
+        for sub in work.values():
+            with pytest.raises(nats.errors.TimeoutError):
+                await sub.fetch(1, timeout=0.5)
+        assert req.request_id not in conductor.view.inflight
+        assert conductor.known.get(req.request_id) is None
+
+        # The broker holds an admission to p2: its work goes to p2, not to p1.
+        req = cl.request("r-kept-admit", token_ids=toks)
+        stored = ev.RequestAdmitted(
+            event_id=dispatch.decision_event_id(req), request_id=req.request_id, policy="kvcache",
+            prefill_instance="p2", decode_instance="d1", prompt_tokens=len(toks),
+            inputs={"local_prefix_blocks": 0},
+        )  # fmt: skip
+        await pub.publish(stored)
+        await cl.send(req)
+        [msg] = await work["p2"].fetch(1, timeout=10)
+        got = PrefillWork.model_validate_json(msg.data)
+        assert (got.request_id, got.admitted_event_id) == (req.request_id, stored.event_id)
+        assert (got.prefill_instance, got.decode_instance, got.cached_blocks) == ("p2", "d1", 0)
+        assert got.token_ids == toks
+        await msg.ack()
+        with pytest.raises(nats.errors.TimeoutError):
+            await work["p1"].fetch(1, timeout=0.5)
+        await until(lambda: _some(cl.replies[req.request_id]), 10, "the reply")
+        told = json.loads(cl.replies[req.request_id][0])
+        assert (told["type"], told["prefill_instance"]) == ("request.admitted", "p2"), told
+        assert conductor.known.get(req.request_id) is not None
+        for sub in work.values():
+            await sub.unsubscribe()

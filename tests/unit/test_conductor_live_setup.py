@@ -127,7 +127,7 @@ def test_events_and_work_from_a_decision_have_derived_ids() -> None:
     req = _request(deadline_s=30.0, reply_to="inbox.r1")
     admitted = dispatch.admitted_event(req, _decision(True), {"k": 1})
     key = f"{req.request_id}/{req.event_id}"
-    assert admitted.event_id == ev.derived_event_id(key, "admitted")
+    assert admitted.event_id == ev.derived_event_id(key, "decision")
     assert (admitted.prefill_instance, admitted.cached_prefix_tokens) == ("p1", 32)
     work = dispatch.prefill_work(req, _decision(True), [1, 2, 3], admitted.event_id, 16)
     assert (work.cached_blocks, work.local_blocks, work.attempt) == (2, 1, 1)
@@ -135,15 +135,35 @@ def test_events_and_work_from_a_decision_have_derived_ids() -> None:
     assert work.timing.deadline_at == work.timing.submitted_at + 30.0
     assert work.reply_to == "inbox.r1" and work.admitted_event_id == admitted.event_id
     rejected = dispatch.rejected_event(req, _decision(False), {})
-    assert rejected.event_id == ev.derived_event_id(key, "rejected")
+    # One id whichever the decision: the broker keeps one decision of a submission.
+    assert rejected.event_id == admitted.event_id
     assert (rejected.reason, rejected.stage) == (ev.RejectReason.TTFT_SLO, "admission")
     assert dispatch.prefill_work_msg_id(req) == ev.derived_event_id(key, "prefill-work-1")
     # Another request that reuses the client's event id gets ids of its own.
     other = req.model_copy(update={"request_id": "another"})
-    assert dispatch.decision_event_id(other, "admitted") != admitted.event_id
+    assert dispatch.decision_event_id(other) != admitted.event_id
     assert dispatch.prefill_work_msg_id(other) != dispatch.prefill_work_msg_id(req)
     # Re-dispatch ids follow the message replaced: two DecodeWork messages of one request
     # (from two prefill attempts) never share the id of their re-dispatch.
     assert dispatch.redispatch_msg_id("m1", 2) == dispatch.redispatch_msg_id("m1", 2)
     assert dispatch.redispatch_msg_id("m1", 2) != dispatch.redispatch_msg_id("m2", 2)
     assert dispatch.redispatch_msg_id("m1", 2) != dispatch.redispatch_msg_id("m1", 3)
+
+
+def test_the_work_of_an_admission_read_back_is_the_work_of_its_decision() -> None:
+    """The Conductor rebuilds the work of an admission the broker kept (`adopt`) from the
+    event alone: the same work `prefill_work` built from the decision."""
+    req = _request(deadline_s=30.0, reply_to="inbox.r1")
+    decision = _decision(True)
+    inputs = {**decision.to_dict(), "slo_class": "default"}
+    admitted = dispatch.admitted_event(req, decision, inputs)
+    kept = ev.RequestAdmitted.model_validate_json(admitted.to_json())  # as read back
+    rebuilt = dispatch.prefill_work_of_admission(req, kept, [1, 2, 3], 16)
+    assert rebuilt == dispatch.prefill_work(req, decision, [1, 2, 3], admitted.event_id, 16)
+    # Same work: admitted to the same instances. A rejection is never "the same".
+    assert dispatch.same_decision(kept, admitted)
+    moved = kept.model_copy(update={"prefill_instance": "p2"})
+    assert not dispatch.same_decision(moved, admitted)
+    rejected = dispatch.rejected_event(req, _decision(False), {})
+    assert not dispatch.same_decision(rejected, rejected)
+    assert not dispatch.same_decision(rejected, admitted)
