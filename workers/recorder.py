@@ -37,10 +37,12 @@ from mooncake.bus.consume import (
 from mooncake.config import Settings
 from mooncake.db.engine import async_engine
 from mooncake.db.record import (
+    NUL_ON_THE_WIRE,
     DeadLetterIn,
     Incoming,
     record_dead_letters,
     record_events,
+    storable,
 )
 from workers.runtime import WorkerContext, configure_logging, worker_context
 
@@ -100,6 +102,8 @@ class Recorder:
             if isinstance(parsed, ev.InvalidEvent):
                 outcomes[idx] = DeadLetter(parsed.reason, parsed.detail)
             else:
+                if NUL_ON_THE_WIRE in d.data:
+                    parsed = storable(parsed)
                 items.append((idx, Incoming(parsed, d.stream, d.stream_seq, subject)))
         if not items:
             return outcomes

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,6 +166,29 @@ async def record_events(conn: AsyncConnection, batch: Sequence[Incoming]) -> Rec
                 new.append(r)
     illegal = await _update_projections(conn, new)
     return RecordResult(len(new), len(batch) - len(new), illegal)
+
+
+# A JSON escape of U+0000 (not an escaped backslash followed by "u0000").
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+NUL_ON_THE_WIRE = b"\\u0000"  # how U+0000 appears in any JSON text (it must be escaped)
+
+
+def storable(event: ev.Event) -> ev.Event:
+    """The event as Postgres can keep it: U+0000, which neither `jsonb` nor `text` can hold,
+    replaced by U+FFFD (the replacement character) in every string and key. A client may
+    send one (a stop string), and a rejection may quote it back; without this, the event
+    could not be recorded at all. Other events are returned as they are."""
+    text = event.model_dump_json()
+    clean = _NUL_ESCAPE.sub(r"\1\\ufffd", text)
+    if clean == text:
+        return event
+    try:
+        kept = type(event).model_validate_json(clean)
+    except ValueError:  # a field that refuses U+FFFD: leave it to fail (and be dead-lettered)
+        log.exception("%s %s holds U+0000 and cannot be recorded", event.type, event.event_id)
+        return event
+    log.warning("%s %s: U+0000 recorded as U+FFFD", event.type, event.event_id)
+    return kept
 
 
 def reused_event_id(event_id: str, stream: str, seq: int) -> str:

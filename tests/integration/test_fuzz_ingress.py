@@ -494,6 +494,46 @@ def test_requests_that_reuse_an_event_id_are_each_decided(procs: Procs) -> None:
     procs.run_with_fake_instances(check())
 
 
+def test_submissions_with_nul_characters_are_decided_and_recorded(procs: Procs) -> None:
+    """The finding of the broker fuzz's last CI failure, found by reading: Postgres cannot
+    store U+0000 (in jsonb or text), so a submission holding one (a stop string), or the
+    rejection that quotes one (an unknown field's name), could not be recorded: the
+    recorder dead-lettered the event, and the request had no decision in the record."""
+    ns = ev.Namespace(procs.settings.namespace)
+    url = procs.settings.database_url
+    assert url
+    bodies = {
+        fresh_id("nul"): {"params": {"max_tokens": 2, "stop": ["a\x00b"]}},  # admitted
+        fresh_id("nul"): {"bogus\x00": 1},  # rejected, quoting the field's name
+        fresh_id("nul"): {"prompt": "\x00", "token_ids": None},  # rejected: no tokenizer
+    }
+
+    async def check() -> None:
+        js = procs.nc.jetstream()
+        for rid, extra in bodies.items():
+            body = submitted_base(rid) | extra
+            await js.publish(ns.of(ev.RequestSubmitted), json.dumps(body).encode())
+        deadline = time.monotonic() + 30
+        while True:
+            rows = await _rows(
+                url, "SELECT request_id, type, payload::text FROM events WHERE "
+                "request_id = ANY(%s) AND type <> 'request.cancelled' ORDER BY id", list(bodies),
+            )  # fmt: skip
+            decided = {r for r, t, _ in rows if t in ("request.admitted", "request.rejected")}
+            if decided == set(bodies) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.25)
+        letters = await _rows(url, "SELECT consumer, reason, detail FROM dead_letters")
+        assert decided == set(bodies), (rows, letters)
+        assert not [d for d in letters if d[1] == "unrecordable"], letters
+        # The record keeps U+FFFD where the message had U+0000.
+        first = next(iter(bodies))
+        [stop] = [p for r, t, p in rows if t == "request.submitted" and r == first]
+        assert json.loads(stop)["params"]["stop"] == ["a\ufffdb"], stop
+
+    procs.run_with_fake_instances(check())
+
+
 # No shrinking: every example waits up to 60 s for the record, and a shrink runs dozens.
 @settings(
     max_examples=2,

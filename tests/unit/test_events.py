@@ -124,3 +124,31 @@ def test_namespaces_map_subjects_and_streams_and_back(prefix: str) -> None:
 def test_parse_event_never_raises_on_arbitrary_bytes(data: bytes) -> None:
     parsed = ev.parse_event(data, subject="mc.req.submitted", max_bytes=1000)
     assert isinstance(parsed, ev.InvalidEvent | ev.Event)
+
+
+def test_an_event_with_u0000_is_made_storable_and_others_are_left_alone() -> None:
+    """Postgres keeps no U+0000 (jsonb or text): the recorder stores U+FFFD in its place,
+    in values and keys, and nothing else changes (an escaped backslash before "u0000" is
+    text, not the character)."""
+    from mooncake.db.record import NUL_ON_THE_WIRE, storable
+
+    req = ev.RequestSubmitted(
+        request_id="r1",
+        token_ids=[1],
+        params=ev.SamplingParams(stop=["a\x00b", "\\u0000"]),
+        reply_to="inbox.r1",
+    )
+    assert NUL_ON_THE_WIRE in req.to_json()
+    kept = storable(req)
+    assert isinstance(kept, ev.RequestSubmitted)
+    assert kept.params.stop == ["a\ufffdb", "\\u0000"]
+    assert kept.model_copy(update={"params": req.params}) == req
+    rejected = ev.RequestRejected(
+        request_id="r1", reason=ev.RejectReason.INVALID_REQUEST, stage="admission",
+        detail="unknown field 'x\x00'", inputs={"k\x00": "v\x00"},
+    )  # fmt: skip
+    assert storable(rejected).inputs == {"k\ufffd": "v\ufffd"}
+    assert storable(rejected).detail == "unknown field 'x\ufffd'"
+    plain = ev.RequestSubmitted(request_id="r2", token_ids=[1], params={"stop": ["\\u0000"]})
+    assert NUL_ON_THE_WIRE in plain.to_json()  # a false alarm on the wire check ...
+    assert storable(plain) is plain  # ... that changes nothing
