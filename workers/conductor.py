@@ -362,15 +362,15 @@ class Conductor:
         """Where the broker already held a decision of the submission (its ack says
         duplicate), that decision stands, not the one just made: read it back (the ack names
         its stream place) and act on it (`conductor_dispatch`'s doc says when this happens)."""
-        dups = [k for k, r in enumerate(results) if isinstance(r, PubAck) and r.duplicate]
+        dups = [(k, r) for k, r in enumerate(results) if isinstance(r, PubAck) and r.duplicate]
         if not dups:
             return
         stored = await asyncio.gather(
-            *(self._stored_decision(results[k], decided[k][1]) for k in dups),  # type: ignore[arg-type]
+            *(self._stored_decision(ack, decided[k][1]) for k, ack in dups),
             return_exceptions=True,
         )
         now = self._clock()
-        for k, kept in zip(dups, stored, strict=True):
+        for (k, _), kept in zip(dups, stored, strict=True):
             i, request, ours = decided[k]
             if isinstance(kept, BaseException):
                 results[k] = kept  # the submission is retried

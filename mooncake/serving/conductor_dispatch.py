@@ -11,7 +11,8 @@ A submission has one decision id, whether it is admitted or rejected: a submissi
 twice (its decision reached the broker but the ack did not reach us, or it was redelivered
 while still being handled) can get a different decision the second time (the cluster moved
 on; a redelivery is not counted against its client's limit), and the broker's dedupe then
-drops the second one. The Conductor acts on the decision the broker kept (`adopt`).
+drops the second one. The Conductor acts on the decision the broker kept
+(`Conductor._adopt_stored`, with `same_decision` and `prefill_work_of_admission`).
 """
 
 from __future__ import annotations
