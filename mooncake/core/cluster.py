@@ -84,11 +84,15 @@ class RequestDropped:
 
 @dataclass(frozen=True, slots=True)
 class DecodeLoadReported:
-    """A decode instance's own count of its running batch (corrects drift)."""
+    """A decode instance's own count of its running batch (corrects drift). With a paged KV
+    pool, `context_tokens` is the pool's tokens in use (pages held by running sequences,
+    a shared prefix counted once) and `kv_capacity_tokens` the whole pool: what `fits`
+    measures against. None leaves the capacity the view has."""
 
     instance: str
     batch: int
     context_tokens: int
+    kv_capacity_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +213,8 @@ class ClusterView:
             case DecodeLoadReported(instance=iid, batch=b, context_tokens=c):
                 if (d := self.decode.get(iid)) is not None:
                     d.batch, d.context_tokens = b, c
+                    if fact.kv_capacity_tokens is not None:
+                        d.kv_capacity_tokens = fact.kv_capacity_tokens
             case BlocksStored(node=node, keys=keys):
                 self.blocks.add(node, keys)
             case BlocksRemoved(node=node, keys=keys):

@@ -29,11 +29,22 @@ def test_decode_reports_correct_the_batch() -> None:
     )
     assert first == [
         cl.InstanceJoined("d1", "decode", "n2", 4096),
-        cl.DecodeLoadReported("d1", 3, 900),
+        cl.DecodeLoadReported("d1", 3, 900, 4096),
     ]
     assert live.report(report("d1", "decode", "n2", 2, running=1), 1.0) == [
         cl.DecodeLoadReported("d1", 1, 0)
     ]
+
+
+def test_a_decode_report_moves_the_capacity_the_view_fits_against() -> None:
+    v = cl.ClusterView()
+    v.apply(cl.InstanceJoined("d1", "decode", "n2", 4096), 0.0)
+    assert v.decode["d1"].fits(4096) and not v.decode["d1"].fits(4097)
+    v.apply(cl.DecodeLoadReported("d1", 1, 1000, 2048), 0.0)  # its pool as it reports it
+    assert v.decode["d1"].kv_capacity_tokens == 2048
+    assert v.decode["d1"].fits(1048) and not v.decode["d1"].fits(1049)
+    v.apply(cl.DecodeLoadReported("d1", 1, 1000), 0.0)  # no capacity said: the view keeps it
+    assert v.decode["d1"].kv_capacity_tokens == 2048
 
 
 def test_silence_past_the_timeout_is_death_and_the_node_goes_with_the_last_instance() -> None:
