@@ -1,7 +1,11 @@
-"""Prefill of one sequence, optionally starting from cached whole KV blocks.
+"""Prefill of one sequence, optionally starting from KV it already holds (a cached prefix).
 
 Block keys come from `mooncake.hashing.block_keys` (seeded, salted by model id), so a key
-names a prefix and its KV can be fetched from the store and handed to `prefill` as `prefix`.
+names a prefix and its KV can be fetched from the store (or found in the engine's own pool)
+and handed to `prefill` as `prefix`.
+
+Every engine owns one KV pool (`engine.pool`), allocated once from a byte budget; all of its
+sequences' KV lives in pages of it.
 """
 
 from __future__ import annotations
@@ -13,10 +17,16 @@ import torch
 from torch import Tensor
 
 from mooncake.engine.errors import EngineError
-from mooncake.engine.kv import SequenceKV
-from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks, attention
+from mooncake.engine.kv import BlockLayout
+from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks
+from mooncake.engine.paged import PagedPrefill
+from mooncake.engine.pool import KVPool, KVPoolExhausted, PagedKV, page_tokens_for
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.hashing import block_keys
+
+# Without a budget, an engine's pool holds this many full contexts (tests, tools): the
+# memory is reserved, and only what is written becomes resident.
+DEFAULT_POOL_CONTEXTS = 4
 
 
 @dataclass
@@ -24,33 +34,9 @@ class Prefilled:
     """A prefilled sequence: its KV and the logits of the positions just computed."""
 
     tokens: list[int]
-    kv: SequenceKV
+    kv: PagedKV
     logits: Tensor  # [V] for the last position, or [new tokens, V] with all_logits
     cached_tokens: int  # prompt tokens whose KV came from the prefix
-
-
-class PrefillAttention:
-    """Causal attention of S new tokens (positions start..start+S-1) over the sequence's
-    KV, which already holds positions 0..start-1."""
-
-    def __init__(self, kv: SequenceKV, start: int, new: int, device: torch.device) -> None:
-        self.kv, self.start = kv, start
-        self.mask: Tensor | None = None  # nothing cached: plain causal attention
-        if start:
-            rows = torch.arange(start, start + new, device=device)[:, None]
-            cols = torch.arange(start + new, device=device)[None, :]
-            self.mask = (cols <= rows)[None, None]
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        end = self.start + k.shape[2]
-        self.kv.write(layer, self.start, k[0], v[0])
-        if q.shape[2] == 1:  # the last position only: it sees every key, no mask
-            keys, values = self.kv.view(layer, end)
-            return attention(q, keys[None], values[None], None, causal=False)
-        if not self.start:
-            return attention(q, k, v, None)
-        keys, values = self.kv.view(layer, end)
-        return attention(q, keys[None], values[None], self.mask)
 
 
 class Engine:
@@ -62,16 +48,38 @@ class Engine:
         block_tokens: int = 512,
         hash_seed: int = 0,
         model_id: str = "model",
+        kv_budget_bytes: int | None = None,
     ) -> None:
         if block_tokens < 1:
             raise EngineError("block_tokens must be positive")
         self.model, self.tokenizer = model, tokenizer
         self.spec = model.spec
         self.block_tokens, self.hash_seed, self.model_id = block_tokens, hash_seed, model_id
+        per_token = self.spec.kv_bytes_per_token(model.dtype.itemsize)
+        minimum = (self.spec.context + 2 * block_tokens) * per_token
+        budget = kv_budget_bytes or DEFAULT_POOL_CONTEXTS * minimum
+        if budget < minimum:
+            raise EngineError(
+                f"a KV budget of {budget / 2**20:.0f} MiB cannot hold one full context of this "
+                f"model ({self.spec.context} tokens + 2 blocks = {minimum / 2**20:.0f} MiB)"
+            )
+        self.pool = KVPool(
+            self.spec,
+            model.dtype,
+            model.device,
+            budget_bytes=budget,
+            page_tokens=page_tokens_for(block_tokens),
+        )
 
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The byte layout of this model's KV block objects in the store."""
+        s = self.spec
+        return BlockLayout(s.layers, s.kv_heads, s.head_dim, self.model.dtype)
 
     def check_tokens(self, tokens: Sequence[int], extra: int = 0) -> None:
         """EngineError unless tokens (plus `extra` to come) fit the model."""
@@ -89,46 +97,77 @@ class Engine:
     def block_keys(self, tokens: Sequence[int]) -> list[str]:
         return block_keys(tokens, self.block_tokens, seed=self.hash_seed, salt=self.model_id)
 
-    def new_kv(self, capacity: int) -> SequenceKV:
-        return SequenceKV(self.spec, self.model.dtype, self.device, capacity)
+    def new_kv(self) -> PagedKV:
+        return self.pool.sequence()
 
-    def prefix_from_blocks(self, blocks: Sequence[Tensor]) -> SequenceKV:
-        """A prefix KV from consecutive whole blocks [layers, 2, kv_heads, T, head_dim]."""
-        for b in blocks:
-            if b.dim() != 5 or b.shape[3] != self.block_tokens:
+    @torch.inference_mode()
+    def prefix_from_blocks(self, blocks: Sequence[Tensor]) -> PagedKV:
+        """A sequence KV from consecutive blocks [layers, 2, kv_heads, T, head_dim] (any
+        dtype or device) copied into pages of the pool: whole blocks of `block_tokens`,
+        the last one may be a partial tail (a prompt's KV as the store holds it)."""
+        s = self.spec
+        for i, b in enumerate(blocks):
+            is_whole = b.dim() == 5 and b.shape[3] == self.block_tokens
+            if not is_whole and (i < len(blocks) - 1 or b.dim() != 5 or b.shape[3] < 1):
                 raise EngineError(f"a cached block must hold {self.block_tokens} tokens")
-        moved = [b.to(device=self.device, dtype=self.model.dtype) for b in blocks]
-        return SequenceKV.from_blocks(self.spec, moved, self.model.dtype, self.device)
+            got = (b.shape[0], b.shape[1], b.shape[2], b.shape[4])
+            if got != (s.layers, 2, s.kv_heads, s.head_dim):
+                raise EngineError(f"KV block shape {tuple(b.shape)} does not fit this model")
+        kv = self.new_kv()
+        tokens = sum(b.shape[3] for b in blocks)
+        if not kv.reserve(tokens):
+            raise KVPoolExhausted(f"no room for {tokens} tokens of KV")
+        per = self.block_tokens // self.pool.page_tokens
+        table = kv.table()
+        for j, b in enumerate(blocks):  # one block at a time: no second copy of the prompt
+            for layer in range(s.layers):
+                if b.shape[3] == self.block_tokens:
+                    self.pool.write_blocks(layer, table[j * per : (j + 1) * per], b[layer][None])
+                else:  # the partial tail
+                    kv.load_layer(layer, j * self.block_tokens, b[layer])
+        kv.length = tokens
+        return kv
 
-    def blocks(self, kv: SequenceKV) -> list[Tensor]:
-        """The whole blocks of a sequence's KV, in order (to store under `block_keys`)."""
-        return [kv.block(i, self.block_tokens) for i in range(kv.length // self.block_tokens)]
+    def blocks(self, kv: PagedKV) -> list[Tensor]:
+        """The whole blocks of a sequence's KV, in order, as [layers, 2, kv_heads, T,
+        head_dim] tensors (to store under `block_keys`)."""
+        n = kv.length // self.block_tokens
+        if not n:
+            return []
+        pages = kv.table()[: n * (self.block_tokens // self.pool.page_tokens)]
+        per_layer = [
+            self.pool.read_blocks(i, pages, self.block_tokens) for i in range(self.spec.layers)
+        ]
+        stacked = torch.stack(per_layer)  # [layers, n, 2, heads, T, dim]
+        return [stacked[:, j] for j in range(n)]
 
     @torch.inference_mode()
     def prefill(
         self,
         tokens: Sequence[int],
-        prefix: SequenceKV | None = None,
+        prefix: PagedKV | None = None,
         hooks: LayerHooks = NO_HOOKS,
         all_logits: bool = False,
     ) -> Prefilled:
-        """Compute the KV of `tokens` not covered by `prefix` (the KV of its first k whole
-        blocks; empty allowed). With layer-wise loading, `prefix` may still be filling:
-        layer i of it is read only after `hooks.before_layer(i)` returns."""
+        """Compute the KV of `tokens` not covered by `prefix` (the KV of the first k tokens,
+        k < len(tokens); it becomes the result's KV). With layer-wise loading, `prefix` may
+        still be filling: layer i of it is read only after `hooks.before_layer(i)` returns.
+        KVPoolExhausted if the pool cannot give the pages (callers ask `pool.fits` first)."""
         tokens = [int(t) for t in tokens]
         self.check_tokens(tokens)
         start = 0 if prefix is None else prefix.length
-        if start % self.block_tokens or start >= len(tokens):
+        if start >= len(tokens):
             raise EngineError(
-                f"a prefix must be whole blocks shorter than the prompt ({start} cached tokens, "
-                f"{len(tokens)} in the prompt, blocks of {self.block_tokens})"
+                f"a prefix must be shorter than the prompt ({start} cached tokens, "
+                f"{len(tokens)} in the prompt)"
             )
-        kv = prefix if prefix is not None else self.new_kv(len(tokens) + 64)
-        kv.reserve(len(tokens) + 64)
+        kv = prefix if prefix is not None else self.new_kv()
+        if not kv.reserve(len(tokens)):
+            raise KVPoolExhausted(f"no room for a prompt of {len(tokens)} tokens")
         new = tokens[start:]
         ids = torch.tensor([new], device=self.device)
         positions = torch.arange(start, len(tokens), device=self.device)[None]
-        backend = PrefillAttention(kv, start, len(new), self.device)
+        backend = PagedPrefill(kv, start, len(new))
         logits = self.model(ids, positions, backend, hooks, last_only=not all_logits)[0]
         kv.length = len(tokens)
         return Prefilled(tokens=tokens, kv=kv, logits=logits, cached_tokens=start)

@@ -1,4 +1,4 @@
-"""KV of one sequence, and the byte layout of one KV block.
+"""The byte layout of a KV block: the one codec of the store's KV objects.
 
 A block holds the KV of `block_tokens` consecutive tokens for every layer. Its bytes are
 
@@ -10,18 +10,22 @@ A block holds the KV of `block_tokens` consecutive tokens for every layer. Its b
 
 K is stored after RoPE (as attention reads it), so a block is only valid at the positions it
 was computed for: blocks are keyed by chained hashes (mooncake.hashing), which pin the prefix.
+
+Layer i's K and V of a block are one contiguous byte range (`BlockLayout.layer_range`): what
+lets a prefill load and store KV layer by layer (serving.kvstore). The partial last block of
+a prompt is stored the same way with fewer tokens, which its header says.
 """
 
 from __future__ import annotations
 
 import struct
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from mooncake.engine.errors import EngineError
-from mooncake.engine.spec import ModelSpec
 
 MAGIC = b"MCKV"
 VERSION = 1
@@ -58,86 +62,44 @@ def block_from_bytes(data: bytes, device: torch.device | str = "cpu") -> Tensor:
     return raw.view(dtype).reshape(shape).to(device)
 
 
-class SequenceKV:
-    """The KV of one sequence: per layer a [2, kv_heads, capacity, head_dim] tensor of which
-    the first `length` positions are valid. Grows by doubling. Its tensors are inference-mode
-    tensors (no autograd), and every write runs in inference mode, so callers may fill it
-    (e.g. layer-wise loading) from anywhere."""
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """Byte layout of the KV block objects of one model."""
 
-    def __init__(
-        self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, capacity: int = 64
-    ) -> None:
-        self.spec, self.dtype, self.device = spec, dtype, device
-        self.length = 0
-        self.layers = [self._alloc(max(1, capacity)) for _ in range(spec.layers)]
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
 
-    @torch.inference_mode()
-    def _alloc(self, capacity: int) -> Tensor:
-        shape = (2, self.spec.kv_heads, capacity, self.spec.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def layer_bytes(self, tokens: int) -> int:
+        """Bytes of one layer's K and V for `tokens` tokens."""
+        return 2 * self.kv_heads * tokens * self.head_dim * self.dtype.itemsize
 
-    @property
-    def capacity(self) -> int:
-        return self.layers[0].shape[2]
+    def object_size(self, tokens: int) -> int:
+        """Size of a block object holding `tokens` tokens (the header included)."""
+        return HEADER.size + self.layers * self.layer_bytes(tokens)
 
-    @torch.inference_mode()
-    def reserve(self, tokens: int) -> None:
-        if tokens <= self.capacity:
-            return
-        new_cap = max(tokens, 2 * self.capacity)
-        for i, old in enumerate(self.layers):
-            grown = self._alloc(new_cap)
-            grown[:, :, : old.shape[2]] = old
-            self.layers[i] = grown
+    def layer_range(self, layer: int, tokens: int) -> tuple[int, int]:
+        """(offset, length) of layer `layer`'s K and V inside a block object."""
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"layer {layer} of a {self.layers}-layer model")
+        n = self.layer_bytes(tokens)
+        return HEADER.size + layer * n, n
 
-    @torch.inference_mode()
-    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
-        """Store k, v [kv_heads, S, head_dim] at positions start..start+S-1 of `layer`."""
-        end = start + k.shape[1]
-        self.reserve(end)
-        self.layers[layer][0, :, start:end] = k
-        self.layers[layer][1, :, start:end] = v
+    def header(self, tokens: int) -> bytes:
+        """The object's first `HEADER.size` bytes (what `block_to_bytes` writes)."""
+        code = DTYPE_CODES[self.dtype]
+        return HEADER.pack(
+            MAGIC, VERSION, code, 0, self.layers, self.kv_heads, tokens, self.head_dim
+        )
 
-    def view(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
-        kv = self.layers[layer]
-        return kv[0, :, :end], kv[1, :, :end]
-
-    def block(self, index: int, block_tokens: int) -> Tensor:
-        """Block `index` as a tensor [layers, 2, kv_heads, block_tokens, head_dim]."""
-        start, end = index * block_tokens, (index + 1) * block_tokens
-        if end > self.length:
-            raise EngineError(f"block {index} is not whole: only {self.length} tokens of KV")
-        return torch.stack([kv[:, :, start:end] for kv in self.layers])
-
-    @torch.inference_mode()
-    def load_layer(self, layer: int, index: int, data: Tensor) -> None:
-        """Write one layer [2, kv_heads, block_tokens, head_dim] of block `index` (for
-        layer-wise loading); does not change `length`."""
-        tokens = data.shape[2]
-        self.reserve((index + 1) * tokens)
-        self.layers[layer][:, :, index * tokens : (index + 1) * tokens] = data
-
-    def check_block(self, block: Tensor) -> None:
-        s = self.spec
-        want = (s.layers, 2, s.kv_heads, s.head_dim)
-        got = (block.shape[0], block.shape[1], block.shape[2], block.shape[4])
-        if block.dim() != 5 or got != want:
-            raise EngineError(f"KV block shape {tuple(block.shape)} does not fit this model")
-
-    @classmethod
-    @torch.inference_mode()
-    def from_blocks(
-        cls, spec: ModelSpec, blocks: list[Tensor], dtype: torch.dtype, device: torch.device
-    ) -> SequenceKV:
-        """A sequence KV holding the given consecutive whole blocks (the cached prefix)."""
-        tokens = sum(b.shape[3] for b in blocks)
-        kv = cls(spec, dtype, device, capacity=max(64, tokens + 64))
-        start = 0
-        for block in blocks:
-            kv.check_block(block)
-            n = block.shape[3]
-            for layer in range(spec.layers):
-                kv.layers[layer][:, :, start : start + n] = block[layer]
-            start += n
-        kv.length = tokens
-        return kv
+    def payload(self, raw: Tensor, tokens: int) -> Tensor:
+        """A whole object read into a uint8 tensor, checked against this layout, as its
+        [layers, 2, kv_heads, tokens, head_dim] payload (a view, no copy); EngineError if
+        its header says another layout."""
+        if raw.numel() != self.object_size(tokens):
+            raise EngineError(f"a KV object of {raw.numel()} bytes is not {tokens} tokens")
+        if bytes(raw[: HEADER.size].numpy()) != self.header(tokens):
+            raise EngineError(f"a KV object's header does not fit this model ({tokens} tokens)")
+        body = raw[HEADER.size :].view(self.dtype)
+        return body.view(self.layers, 2, self.kv_heads, tokens, self.head_dim)

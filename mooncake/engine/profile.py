@@ -26,7 +26,7 @@ import torch
 from mooncake.engine.batch import DecodeBatch
 from mooncake.engine.engine import Engine, Prefilled
 from mooncake.engine.errors import EngineError
-from mooncake.engine.kv import SequenceKV
+from mooncake.engine.pool import PagedKV
 from mooncake.engine.sampling import SamplingParams
 from mooncake.trace import block_tokens
 
@@ -54,12 +54,10 @@ def _median(fn: Callable[[], float], reps: int) -> float:
     return statistics.median(fn() for _ in range(reps))
 
 
-def _copy_kv(kv: SequenceKV) -> SequenceKV:
-    out = SequenceKV(kv.spec, kv.dtype, kv.device, capacity=1)
+def _copy_kv(engine: Engine, kv: PagedKV) -> PagedKV:
+    """A private copy of a sequence's KV in other pages of the pool."""
     with torch.inference_mode():
-        out.layers = [t.clone() for t in kv.layers]
-    out.length = kv.length
-    return out
+        return engine.prefix_from_blocks([kv.piece(0, kv.length)])
 
 
 def profile_prefill(
@@ -101,7 +99,7 @@ def profile_decode(
             batch = DecodeBatch(engine)
             params = SamplingParams(max_tokens=steps + 2, stop_on_eos=False)
             for i in range(batch_size):
-                copy = Prefilled(base.tokens, _copy_kv(base.kv), base.logits, 0)
+                copy = Prefilled(base.tokens, _copy_kv(engine, base.kv), base.logits, 0)
                 batch.add(str(i), copy, params)
             times = []
             for _ in range(steps):

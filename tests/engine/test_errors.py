@@ -35,11 +35,20 @@ def test_bad_sampling_params(kwargs: dict[str, float]) -> None:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
-def test_prefix_must_be_whole_blocks_shorter_than_prompt(engine: Engine) -> None:
+def test_prefix_must_be_shorter_than_prompt(engine: Engine) -> None:
     tokens = list(range(100, 100 + 2 * engine.block_tokens))
     blocks = engine.blocks(engine.prefill(tokens).kv)
-    with pytest.raises(EngineError, match="whole blocks shorter than the prompt"):
+    with pytest.raises(EngineError, match="shorter than the prompt"):
         engine.prefill(tokens, prefix=engine.prefix_from_blocks(blocks))
+
+
+def test_a_partial_block_only_at_the_end(engine: Engine) -> None:
+    tokens = list(range(100, 100 + 2 * engine.block_tokens))
+    kv = engine.prefill(tokens).kv
+    whole, part = engine.blocks(kv)[0], kv.piece(0, 3)
+    with pytest.raises(EngineError, match="must hold"):
+        engine.prefix_from_blocks([part, whole])
+    assert engine.prefix_from_blocks([whole, part]).length == engine.block_tokens + 3
 
 
 def test_corrupt_kv_bytes() -> None:

@@ -20,9 +20,9 @@ from mooncake.engine import (
     block_to_bytes,
     dummy_model,
 )
-from mooncake.engine.batch import DecodeAttention
 from mooncake.engine.gguf_loader import unpermute_rows
 from mooncake.engine.kv import HEADER
+from mooncake.engine.paged import PagedDecode
 
 SPEC = ModelSpec(vocab_size=97, hidden=64, layers=3, heads=4, kv_heads=2, ffn=96, context=256)
 BLOCK = 8
@@ -66,7 +66,7 @@ def test_block_layout_is_layer_major_k_then_v() -> None:
     assert (layers, heads, n, dim) == (SPEC.layers, SPEC.kv_heads, BLOCK, SPEC.head_dim)
     payload = np.frombuffer(data[HEADER.size :], dtype="<f4").reshape(layers, 2, heads, n, dim)
     for layer in range(SPEC.layers):
-        k, v = kv.view(layer, kv.length)
+        k, v = kv.read(layer, 0, kv.length)
         assert np.array_equal(payload[layer, 0], k[:, BLOCK : 2 * BLOCK].numpy())
         assert np.array_equal(payload[layer, 1], v[:, BLOCK : 2 * BLOCK].numpy())
     assert torch.equal(block_from_bytes(data), engine.blocks(kv)[1])
@@ -118,7 +118,8 @@ def test_prefill_rows_equal_decode_steps() -> None:
         seq.output[-1] = tokens[pos]  # teacher forcing: feed the prompt's next token
         ids, positions = torch.tensor([[tokens[pos]]]), torch.tensor([[pos]])
         with torch.inference_mode():
-            backend = DecodeAttention([seq.kv], engine.device)
+            assert seq.kv.reserve(pos + 1)
+            backend = PagedDecode(engine.pool, [seq.kv])
             logits = engine.model(ids, positions, backend)
         seq.kv.length += 1
         assert torch.allclose(logits[0], full[pos], atol=1e-4)

@@ -67,13 +67,14 @@ def test_hooks_run_around_every_layer_with_new_kv(
     blocks = engine.blocks(engine.prefill(tokens).kv)
     events: list[tuple[str, int, int]] = []
     # Layer-wise loading: the prefix starts empty and each layer is filled just in time.
-    prefix = engine.new_kv(len(tokens) + 64)
+    prefix = engine.new_kv()
+    assert prefix.reserve(len(tokens))
     prefix.length = 2 * engine.block_tokens
 
     class Streaming:
         def before_layer(self, layer: int) -> None:
             for j, block in enumerate(blocks[:2]):
-                prefix.load_layer(layer, j, block[layer])
+                prefix.load_layer(layer, j * engine.block_tokens, block[layer])
             events.append(("before", layer, 0))
 
         def after_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -12,8 +12,8 @@ from mooncake.engine import (
     Engine,
     EngineError,
     ModelSpec,
+    PagedKV,
     SamplingParams,
-    SequenceKV,
     block_from_bytes,
     block_to_bytes,
     dummy_model,
@@ -34,18 +34,17 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, SPEC.vocab_size, (n,), generator=g).tolist()
 
 
-def handed_over(engine: Engine, tokens: list[int]) -> tuple[SequenceKV, int]:
+def handed_over(engine: Engine, tokens: list[int]) -> tuple[PagedKV, int]:
     """What a prefill instance hands a decode instance: the prompt's KV as block bytes (whole
     blocks and a partial tail) and the first token it sampled (greedy)."""
     pf = engine.prefill(tokens)
     whole = len(tokens) // BLOCK * BLOCK
     parts = [block_to_bytes(b) for b in engine.blocks(pf.kv)]
     if whole < len(tokens):
-        parts.append(
-            block_to_bytes(torch.stack([k[:, :, whole : len(tokens)] for k in pf.kv.layers]))
-        )
+        parts.append(block_to_bytes(pf.kv.piece(whole, len(tokens) - whole)))
+    pf.kv.release()  # the prefill instance is done with it
     blocks = [block_from_bytes(p) for p in parts]
-    kv = SequenceKV.from_blocks(SPEC, blocks, engine.model.dtype, engine.device)
+    kv = engine.prefix_from_blocks(blocks)
     return kv, int(torch.argmax(pf.logits))
 
 

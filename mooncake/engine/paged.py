@@ -1,0 +1,102 @@
+"""Attention backends over the paged KV pool (the decoder's `AttentionBackend`s).
+
+- `PagedPrefill`: S new tokens of one sequence at positions start..start+S-1. Their k, v are
+  written into the sequence's pages; with nothing cached the attention is the fused causal
+  kernel over the new tokens themselves (no pool read), otherwise the cached positions are
+  read out of their pages once per layer and the new tokens attend to them and to
+  themselves.
+- `PagedDecode`: one new token per sequence for a whole batch. The new k, v go into each
+  sequence's next page slot, then attention reads every sequence's pages through its block
+  table: by the native kernel (engine.native) on the CPU in float32, else by gathering the
+  pages into a padded tensor and masking (other devices and dtypes, or no C compiler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from mooncake.engine import native
+from mooncake.engine.model import attention
+from mooncake.engine.pool import KVPool, PagedKV
+
+
+class PagedPrefill:
+    def __init__(self, kv: PagedKV, start: int, new: int) -> None:
+        self.kv, self.pool, self.start = kv, kv.pool, start
+        self.page, self.offset = self.pool.locate(kv.table(), start, start + new)
+        self.mask: Tensor | None = None
+        if start:
+            dev = self.pool.device
+            rows = torch.arange(start, start + new, device=dev)[:, None]
+            cols = torch.arange(start + new, device=dev)[None, :]
+            self.mask = (cols <= rows)[None, None]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.pool.write(layer, self.page, self.offset, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        last_only = q.shape[2] == 1  # the last position alone sees every key: no mask
+        if not self.start:
+            return attention(q, k, v, None, causal=not last_only or k.shape[2] == 1)
+        pk, pv = self.kv.read(layer, 0, self.start)
+        keys = torch.cat((pk.to(k.dtype), k[0]), dim=1)[None]
+        values = torch.cat((pv.to(v.dtype), v[0]), dim=1)[None]
+        if last_only:
+            return attention(q, keys, values, None, causal=False)
+        return attention(q, keys, values, self.mask)
+
+
+class PagedDecode:
+    """One decode step's attention for sequences with KV `kvs` (each already holding pages
+    for its new token at position `kv.length`)."""
+
+    def __init__(self, pool: KVPool, kvs: Sequence[PagedKV]) -> None:
+        self.pool = pool
+        dev, p = pool.device, pool.page_tokens
+        lengths = [kv.length for kv in kvs]
+        self.positions = torch.tensor(lengths, device=dev)
+        widest = max(len(kv.pages) for kv in kvs)
+        table = torch.zeros((len(kvs), widest), dtype=torch.int32)
+        for i, kv in enumerate(kvs):
+            table[i, : len(kv.pages)] = torch.tensor(kv.pages, dtype=torch.int32)
+        self.table = table.to(dev)
+        rows = torch.arange(len(kvs), device=dev)
+        long_table = self.table.long()
+        self.page = long_table[rows, self.positions // p]
+        self.offset = self.positions % p
+        self.lens = (self.positions + 1).to(torch.int32)
+        self.kernel = None
+        if dev.type == "cpu" and pool.dtype == torch.float32:
+            self.kernel = native.load(pool.shape.head_dim, p)
+        self._long_table = long_table
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.pool.write(layer, self.page, self.offset, k[:, :, 0], v[:, :, 0])
+        b, heads, _, dim = q.shape
+        kv_heads = k.shape[1]
+        if self.kernel is not None and q.dtype == torch.float32:
+            qg = q.reshape(b, kv_heads, heads // kv_heads, dim).contiguous()
+            out = torch.empty_like(qg)
+            self.kernel(qg, self.pool.k(layer), self.pool.v(layer), self.table, self.lens,
+                        out, dim**-0.5)  # fmt: skip
+            return out.view(b, heads, 1, dim)
+        return self._gathered(layer, q)
+
+    def _gathered(self, layer: int, q: Tensor) -> Tensor:
+        """The portable path: every sequence's pages copied into a padded [B, kv_heads, T,
+        D] tensor, padding masked out."""
+        s = self.pool.shape
+        b, widest = self._long_table.shape
+        idx = self._long_table.reshape(-1)
+        keys = self.pool.k(layer)[idx].view(b, widest, s.kv_heads, s.head_dim, s.page_tokens)
+        keys = keys.permute(0, 2, 1, 4, 3).reshape(b, s.kv_heads, -1, s.head_dim)
+        vals = self.pool.v(layer)[idx].view(b, widest, s.kv_heads, s.page_tokens, s.head_dim)
+        vals = vals.transpose(1, 2).reshape(b, s.kv_heads, -1, s.head_dim)
+        cols = torch.arange(keys.shape[2], device=q.device)[None, :]
+        mask = (cols < self.lens[:, None])[:, None, None, :]
+        # Masked positions still enter the matmuls (a score, then a weight of 0): zero what
+        # is past each sequence's end, whatever an earlier user of the page left there.
+        past = ~mask[:, :, 0, :, None]
+        keys, vals = keys.masked_fill(past, 0), vals.masked_fill(past, 0)
+        return attention(q, keys.to(q.dtype), vals.to(q.dtype), mask)

@@ -1,0 +1,157 @@
+"""The paged KV pool: pages round-trip the store's block layout, the native decode kernel and
+the portable torch path agree with attention over contiguous KV, the pool is bounded and
+asks before it gives, and preempted sequences resume to the tokens they get alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mooncake.engine import (
+    DecodeBatch,
+    Engine,
+    EngineError,
+    KVPoolExhausted,
+    ModelSpec,
+    SamplingParams,
+    dummy_model,
+    generate,
+    native,
+)
+from mooncake.engine.paged import PagedDecode
+
+SPEC = ModelSpec(vocab_size=61, hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, context=128)
+BLOCK = 32
+
+
+def engine_with(budget_pages: int | None = None) -> Engine:
+    model = dummy_model(SPEC, seed=11, std=0.25)
+    budget = None
+    if budget_pages is not None:
+        budget = budget_pages * 16 * SPEC.kv_bytes_per_token(4)
+    return Engine(model, block_tokens=BLOCK, model_id="dummy", kv_budget_bytes=budget)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SPEC.vocab_size, (n,), generator=g).tolist()
+
+
+def test_blocks_round_trip_through_pages() -> None:
+    e = engine_with()
+    kv = e.prefill(tokens(2 * BLOCK + 5, 1)).kv
+    blocks = e.blocks(kv)
+    assert len(blocks) == 2 and blocks[0].shape == (2, 2, 2, BLOCK, 16)
+    tail = kv.piece(2 * BLOCK, 5)
+    copy = e.prefix_from_blocks([*blocks, tail])
+    assert copy.length == kv.length and set(copy.pages).isdisjoint(kv.pages)
+    for layer in range(SPEC.layers):
+        a, b = kv.read(layer, 0, kv.length), copy.read(layer, 0, copy.length)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_the_budget_is_whole_pages_and_must_hold_a_context() -> None:
+    e = engine_with(budget_pages=40)
+    assert e.pool.pages.total == 40 and e.pool.capacity_tokens == 40 * 16
+    with pytest.raises(EngineError, match="cannot hold one full context"):
+        engine_with(budget_pages=8)
+
+
+def test_the_pool_asks_before_it_gives() -> None:
+    e = engine_with(budget_pages=16)  # 256 tokens
+    first = e.prefill(tokens(120, 2))
+    assert e.pool.fits(128) and not e.pool.fits(129 + 16)
+    with pytest.raises(KVPoolExhausted):
+        e.prefill(tokens(127, 3)), e.prefill(tokens(127, 4))
+    first.kv.release()
+    assert e.pool.pages.used == 0
+
+
+def reference(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+) -> torch.Tensor:
+    out = [
+        F.scaled_dot_product_attention(q[b : b + 1], k[None], v[None], enable_gqa=True)
+        for b, (k, v) in enumerate(zip(keys, values, strict=True))
+    ]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_paged_decode_attention_equals_attention_over_contiguous_kv(path: str) -> None:
+    e = engine_with()
+    if path == "native" and native.load(16, e.pool.page_tokens) is None:
+        pytest.skip("no C compiler here: the native kernel cannot be built")
+    kvs = [e.prefill(tokens(n, n)).kv for n in (1, 15, 16, 17, 70)]
+    for kv in kvs:
+        assert kv.reserve(kv.length + 1)
+    backend = PagedDecode(e.pool, kvs)
+    if path == "torch":
+        backend.kernel = None
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(len(kvs), 4, 1, 16, generator=g)
+    k = torch.randn(len(kvs), 2, 1, 16, generator=g)
+    v = torch.randn(len(kvs), 2, 1, 16, generator=g)
+    # Stale values in the unwritten rest of a page must not leak in (not even a NaN).
+    page = e.pool.page_tokens
+    for kv in kvs:
+        last, used = kv.pages[-1], (kv.length + 1) % page
+        if used:
+            e.pool.k(1)[last, :, :, used:] = float("nan")
+            e.pool.v(1)[last, :, used:, :] = float("nan")
+    with torch.inference_mode():
+        got = backend(1, q, k, v)
+    keys, values = [], []
+    for i, kv in enumerate(kvs):
+        pk, pv = kv.read(1, 0, kv.length + 1)
+        assert torch.equal(pk[:, -1], k[i, :, 0]) and torch.equal(pv[:, -1], v[i, :, 0])
+        keys.append(pk)
+        values.append(pv)
+    assert torch.allclose(got, reference(q, keys, values), atol=1e-5)
+
+
+def test_preempted_sequences_resume_to_the_tokens_they_get_alone() -> None:
+    """A pool too small for every sequence at once: the youngest are preempted, recomputed
+    and rejoin; each ends with exactly the tokens it gets with the pool to itself."""
+    roomy, tight = engine_with(), engine_with(budget_pages=12)  # 192 tokens
+    prompts = [tokens(n, 100 + n) for n in (40, 35, 50, 30)]
+    params = [SamplingParams(max_tokens=40, stop_on_eos=False) for _ in prompts]
+    alone = [generate(roomy, [p], [s])[0].tokens for p, s in zip(prompts, params, strict=True)]
+    batch = DecodeBatch(tight)
+    preempted = 0
+    done = {}
+    for i, p in enumerate(prompts):
+        if tight.pool.fits(len(p) + 1):
+            batch.add(str(i), tight.prefill(p), params[i])
+    waiting = [str(i) for i in range(len(prompts)) if str(i) not in batch.running]
+    pending: dict[str, list[int]] = {}
+    while len(batch) or waiting or pending:
+        done.update((c.id, c.tokens) for c in batch.step())
+        for p in batch.take_preempted():
+            preempted += 1
+            pending[p.id] = p.output
+        for sid in list(pending):
+            out = pending[sid]
+            need = len(prompts[int(sid)]) + len(out) + 16
+            if tight.pool.fits(need) or not len(batch):
+                kv = tight.prefill(prompts[int(sid)] + out[:-1]).kv
+                batch.rejoin(sid, kv, len(prompts[int(sid)]), out, params[int(sid)])
+                del pending[sid]
+        for sid in list(waiting):
+            if tight.pool.fits(len(prompts[int(sid)]) + 16):
+                batch.add(sid, tight.prefill(prompts[int(sid)]), params[int(sid)])
+                waiting.remove(sid)
+    assert preempted > 0
+    assert [done[str(i)] for i in range(len(prompts))] == alone
+    assert tight.pool.pages.used == 0
+
+
+def test_loading_the_native_kernel_leaves_the_process_float_state_alone() -> None:
+    """A shared object built with -ffast-math sets flush-to-zero for the whole process when
+    it is loaded: every torch op of a worker would then flush subnormals to 0."""
+    if native.load(16, 16) is None:
+        pytest.skip("no C compiler here: the native kernel cannot be built")
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # a subnormal float32
+    assert float(tiny * 1.0) != 0.0
+    assert float(torch.tensor([1e-38]) / 100) > 0.0
