@@ -132,8 +132,9 @@ PREFILL_PROMPT_TOKENS = Counter(
 )
 PREFILL_KV_TOKENS = Counter(
     "mc_prefill_kv_tokens_total",
-    "Prompt tokens by where a prefill got their KV: loaded from this node's DRAM "
-    "(local_dram), another node's DRAM (remote_dram), an SSD tier (ssd), or computed",
+    "Prompt tokens by where a prefill got their KV: shared from the engine's own KV pool "
+    "(engine), loaded from this node's DRAM (local_dram), another node's DRAM (remote_dram), "
+    "an SSD tier (ssd), or computed",
     ["tier"],
 )
 

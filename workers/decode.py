@@ -47,8 +47,7 @@ from mooncake.bus import terminal
 from mooncake.bus.consume import ConsumerSpec, PullConsumer
 from mooncake.bus.publish import MSG_ID
 from mooncake.config import Settings
-from mooncake.engine import Completion, DecodeBatch, Engine, EngineError, SequenceKV
-from mooncake.engine.kv import DTYPE_CODES, HEADER, MAGIC, VERSION
+from mooncake.engine import Completion, DecodeBatch, Engine, EngineError, PagedKV
 from mooncake.serving.local_store import LocalStore, cluster_secret, local_store
 from mooncake.serving.models import build_engine, engine_params
 from mooncake.serving.streaming import TextDeltas, TokenStreamer
@@ -93,41 +92,25 @@ def observe_completed(finish_reason: str, ttft_s: float, tbt_s: float | None) ->
 # --- the prompt's KV from the store ---------------------------------------------------------
 
 
-def object_size(engine: Engine, tokens: int) -> int:
-    s, item = engine.spec, engine.model.dtype.itemsize
-    return HEADER.size + s.layers * 2 * s.kv_heads * tokens * s.head_dim * item
+def kv_from_objects(engine: Engine, objects: list[tuple[torch.Tensor, int]]) -> PagedKV:
+    """A sequence KV in the engine's pool from block objects read into uint8 tensors, each
+    (bytes, tokens); the headers must say exactly this model's layout (EngineError
+    otherwise)."""
+    layout = engine.layout
+    return engine.prefix_from_blocks([layout.payload(raw, tokens) for raw, tokens in objects])
 
 
-def object_header(engine: Engine, tokens: int) -> bytes:
-    s = engine.spec
-    code = DTYPE_CODES[engine.model.dtype]
-    return HEADER.pack(MAGIC, VERSION, code, 0, s.layers, s.kv_heads, tokens, s.head_dim)
-
-
-def kv_from_objects(engine: Engine, objects: list[tuple[torch.Tensor, int]]) -> SequenceKV:
-    """A sequence KV from block objects read into uint8 tensors, each (bytes, tokens); the
-    headers must say exactly this model's layout (EngineError otherwise)."""
-    s, dtype = engine.spec, engine.model.dtype
-    blocks = []
-    for raw, tokens in objects:
-        if bytes(raw[: HEADER.size].numpy()) != object_header(engine, tokens):
-            raise EngineError(f"a KV object's header does not fit this model ({tokens} tokens)")
-        payload = raw[HEADER.size :].view(dtype)
-        blocks.append(payload.view(s.layers, 2, s.kv_heads, tokens, s.head_dim))
-    return SequenceKV.from_blocks(s, blocks, dtype, engine.device)
-
-
-async def load_prompt_kv(engine: Engine, store: LocalStore, work: DecodeWork) -> SequenceKV | str:
+async def load_prompt_kv(engine: Engine, store: LocalStore, work: DecodeWork) -> PagedKV | str:
     """The prompt's KV from the store, or why it cannot be had (then it is recomputed)."""
     bt = engine.block_tokens
     tail = work.tail_tokens if work.tail_key else 0
     if len(work.kv_keys) * bt + tail != len(work.token_ids):
         return "no_kv"  # the work names no (or not all) KV: compute it here
     keys = list(work.kv_keys) + ([work.tail_key] if work.tail_key and tail else [])
-    whole = torch.empty((len(work.kv_keys), object_size(engine, bt)), dtype=torch.uint8)
+    whole = torch.empty((len(work.kv_keys), engine.layout.object_size(bt)), dtype=torch.uint8)
     bufs: list[torch.Tensor] = [whole[i] for i in range(len(work.kv_keys))]
     if len(keys) > len(bufs):
-        bufs.append(torch.empty(object_size(engine, tail), dtype=torch.uint8))
+        bufs.append(torch.empty(engine.layout.object_size(tail), dtype=torch.uint8))
     try:
         sizes = await store.client.get_many_into(keys, bufs)
     except Exception as exc:  # the master did not answer, a transport failed, ...
@@ -159,7 +142,7 @@ class Job:
     texts: TextDeltas
     span: Span
     stage: Stage = "loading"
-    kv: SequenceKV | str | None = None  # the loaded KV, or why there is none
+    kv: PagedKV | str | None = None  # the loaded KV, or why there is none
     sent: int = 1  # next output index to stream (index 0 came from prefill)
     times: list[float] = field(default_factory=list)  # monotonic time of each token here
     stop: str | None = None  # why it must leave early: client | deadline | ended:<how>
@@ -176,7 +159,8 @@ class DecodeWorker:
     ) -> None:
         self.ctx, self.engine, self.store, self.kv = ctx, engine, store, terminal_kv
         s = ctx.settings
-        self.max_batch, self.capacity = s.engine.max_batch, s.engine.kv_capacity_tokens
+        self.max_batch = s.engine.max_batch
+        self.capacity = min(s.engine.kv_capacity_tokens, engine.pool.capacity_tokens)
         self.instance = ctx.instance_id
         self.subjects = WorkSubjects(ctx.ns)
         self.streamer = TokenStreamer(ctx.nc, ctx.js, ctx.ns)
@@ -428,7 +412,7 @@ class DecodeWorker:
             if job.stop is not None:
                 continue  # settled with the other stopped jobs
             try:
-                kv = job.kv if isinstance(job.kv, SequenceKV) else await self._recompute(job)
+                kv = job.kv if isinstance(job.kv, PagedKV) else await self._recompute(job)
                 job.kv = None
                 params = engine_params(job.work.params)
                 w = job.work
@@ -448,7 +432,7 @@ class DecodeWorker:
         running = sum(j.footprint for j in self.jobs.values() if j.stage == "running")
         return running + job.footprint <= self.capacity
 
-    async def _recompute(self, job: Job) -> SequenceKV:
+    async def _recompute(self, job: Job) -> PagedKV:
         why = job.kv if isinstance(job.kv, str) else "miss"
         log.info("%s: prompt KV not in the store (%s): recomputing it here", job.rid, why)
         metrics.DECODE_KV_RECOMPUTED.labels(why).inc()

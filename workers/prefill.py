@@ -130,6 +130,7 @@ class PrefillWorker:
         self.running: Running | None = None
         self._done: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
+        self._copying: dict[int, asyncio.Task[None]] = {}  # replications holding a prompt's KV
         self._seq = 0
         self._queued = 0
         self.last: StoredPrefill | None = None  # the last prefill's details (tests, debugging)
@@ -229,6 +230,9 @@ class PrefillWorker:
             return await self._hand_over(work, done, prefill_s)
         except Exception as exc:
             return await self._transient(work, d, exc)
+        finally:
+            if not self._replicating(done):
+                done.release()  # its whole blocks stay cached in the pool (the engine tier)
 
     def _deadline_timer(self, work: PrefillWork, running: Running) -> asyncio.TimerHandle | None:
         deadline = work.timing.deadline_at
@@ -294,7 +298,7 @@ class PrefillWorker:
 
     def _replicate(self, done: StoredPrefill, local_blocks: int) -> None:
         """Keep copies of the blocks fetched from remote nodes (after the prefill: never on
-        its critical path)."""
+        its critical path). The copy reads the prompt's pages, so it gives them back."""
         keys = [(done.block_keys[j], j) for j in range(local_blocks, done.loaded_blocks)]
         kv, block = done.prefilled.kv, self.engine.block_tokens
 
@@ -306,10 +310,17 @@ class PrefillWorker:
                 log.debug("replicated %d of %d remote blocks", placed, len(keys))
             except Exception as exc:
                 log.warning("hot-block replication failed: %s", exc)
+            finally:
+                done.release()
 
         task = asyncio.create_task(copy())
         self._background.add(task)
+        self._copying[id(done)] = task
+        task.add_done_callback(lambda t: self._copying.pop(id(done), None))
         task.add_done_callback(self._background.discard)
+
+    def _replicating(self, done: StoredPrefill) -> bool:
+        return id(done) in self._copying
 
     def _remember(self, work: PrefillWork) -> None:
         self._done[(work.request_id, work.attempt)] = None

@@ -71,9 +71,7 @@ class Liveness:
         m.last_seen, m.seq = now, r.seq
         if r.role == "decode":
             facts.append(
-                cl.DecodeLoadReported(
-                    r.instance, r.running, r.context_tokens, r.kv_capacity_tokens
-                )
+                cl.DecodeLoadReported(r.instance, r.running, r.context_tokens, r.kv_capacity_tokens)
             )
         return facts
 

@@ -1,8 +1,9 @@
 """Engine KV <-> store objects, layer by layer.
 
-A KV block object in the store is exactly the engine's block bytes (`engine.kv.block_to_bytes`):
-a 32-byte header, then [layers, 2, kv_heads, tokens, head_dim], so layer i's K and V of a block
-are one contiguous byte range (`BlockLayout.layer_range`). That is what lets a prefill
+A KV block object in the store is exactly the engine's block bytes (`engine.kv`, the one
+codec: a 32-byte header, then [layers, 2, kv_heads, tokens, head_dim]), so layer i's K and V
+of a block are one contiguous byte range (`BlockLayout.layer_range`). That is what lets a
+prefill
 
 - load layer i of every cached block just before layer i runs (`PrefixLoader`: the reads of
   later layers are in flight while earlier layers compute), and
@@ -12,6 +13,11 @@ are one contiguous byte range (`BlockLayout.layer_range`). That is what lets a p
 The partial last block of a prompt (fewer than `block_tokens` tokens) is stored too, under a
 request-scoped key, as a block whose header says how many tokens it holds, so the decode side
 gets the whole prompt's KV from the store.
+
+The prompt's KV lives in pages of the engine's pool (`engine.pool`). Leading blocks the pool
+still caches (an earlier prompt with the same prefix, on this instance) are shared, neither
+loaded nor computed: the "engine" tier, ahead of the store's DRAM. After the prefill every
+whole block of the prompt is offered to the pool's cache in turn.
 
 The engine is synchronous torch: `prefill_with_store` runs it in a worker thread and the
 hooks hand work to the event loop, so store I/O overlaps compute and the loop stays free.
@@ -30,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mooncake.engine import Engine, Prefilled, SequenceKV
-from mooncake.engine.kv import DTYPE_CODES, HEADER, MAGIC, VERSION, block_to_bytes
+from mooncake.engine import Engine, KVPoolExhausted, PagedKV, Prefilled
+from mooncake.engine.kv import HEADER, BlockLayout, block_to_bytes
 from mooncake.store import protocol as p
 from mooncake.store.client import GetHandle, PutHandle, StoreClient, StoreError
 from mooncake.store.types import Reason
@@ -43,63 +49,26 @@ log = logging.getLogger("mooncake.serving.kvstore")
 LOAD_WAIT_S = 30.0
 POLL_S = 0.05  # the compute thread's waits wake this often to notice a cancellation
 
-# Where a prompt token's KV came from (the tiers of the cache hit rate, and the miss).
-LOCAL_DRAM, REMOTE_DRAM, SSD, COMPUTED = "local_dram", "remote_dram", "ssd", "computed"
-TIERS = (LOCAL_DRAM, REMOTE_DRAM, SSD, COMPUTED)
+# Where a prompt token's KV came from (the tiers of the cache hit rate, and the miss):
+# the engine's own pool, this node's DRAM, another node's DRAM, SSD, or nowhere.
+ENGINE, LOCAL_DRAM, REMOTE_DRAM, SSD = "engine", "local_dram", "remote_dram", "ssd"
+COMPUTED = "computed"
+TIERS = (ENGINE, LOCAL_DRAM, REMOTE_DRAM, SSD, COMPUTED)
 
 
-# --- the byte layout (pure) ------------------------------------------------------------------
+# --- pieces of a sequence's KV as store bytes (pure) ---------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class BlockLayout:
-    """Byte layout of the KV block objects of one model (see `engine.kv`)."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, engine: Engine) -> BlockLayout:
-        s = engine.spec
-        return cls(s.layers, s.kv_heads, s.head_dim, engine.model.dtype)
-
-    def layer_bytes(self, tokens: int) -> int:
-        """Bytes of one layer's K and V for `tokens` tokens."""
-        return 2 * self.kv_heads * tokens * self.head_dim * self.dtype.itemsize
-
-    def object_size(self, tokens: int) -> int:
-        """Size of a block object holding `tokens` tokens (the header included)."""
-        return HEADER.size + self.layers * self.layer_bytes(tokens)
-
-    def layer_range(self, layer: int, tokens: int) -> tuple[int, int]:
-        """(offset, length) of layer `layer`'s K and V inside a block object."""
-        if not 0 <= layer < self.layers:
-            raise IndexError(f"layer {layer} of a {self.layers}-layer model")
-        n = self.layer_bytes(tokens)
-        return HEADER.size + layer * n, n
-
-    def header(self, tokens: int) -> bytes:
-        """The object's first `HEADER.size` bytes (what `block_to_bytes` writes)."""
-        code = DTYPE_CODES[self.dtype]
-        return HEADER.pack(
-            MAGIC, VERSION, code, 0, self.layers, self.kv_heads, tokens, self.head_dim
-        )
-
-
-def layer_piece(kv: SequenceKV, layer: int, start: int, tokens: int) -> Tensor:
+def layer_piece(kv: PagedKV, layer: int, start: int, tokens: int) -> Tensor:
     """Layer `layer`'s K and V of positions start..start+tokens-1, as the flat bytes of that
     layer's range in a block object (a new CPU tensor: the caller may keep it)."""
-    kvl = kv.layers[layer]
-    piece = torch.stack((kvl[0, :, start : start + tokens], kvl[1, :, start : start + tokens]))
+    piece = kv.layer_piece(layer, start, tokens)
     return piece.to("cpu").contiguous().view(torch.uint8).reshape(-1)
 
 
-def block_object(kv: SequenceKV, start: int, tokens: int) -> bytes:
+def block_object(kv: PagedKV, start: int, tokens: int) -> bytes:
     """The whole object of a block (or the partial tail) starting at position `start`."""
-    block = torch.stack([kvl[:, :, start : start + tokens] for kvl in kv.layers])
-    return block_to_bytes(block)
+    return block_to_bytes(kv.piece(start, tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,11 +148,12 @@ class KvWriteError(StoreError):
 
 
 class PrefixLoader:
-    """Reads cached blocks into a SequenceKV layer by layer.
+    """Reads cached blocks from the store into a sequence's pages, layer by layer.
 
-    `run` (event loop) reads the layers in order, each as one batched read of that layer's
-    range of every block; `wait(i)` (compute thread, from `before_layer`) blocks until layer i
-    has arrived and copies it into the KV. Layer i+1's read is in flight while layer i runs.
+    `keys` are blocks `first`, `first + 1`, ... of the prompt. `run` (event loop) reads the
+    layers in order, each as one batched read of that layer's range of every block; `wait(i)`
+    (compute thread, from `before_layer`) blocks until layer i has arrived and copies it into
+    the blocks' pages. Layer i+1's read is in flight while layer i runs.
     """
 
     def __init__(
@@ -192,10 +162,13 @@ class PrefixLoader:
         keys: Sequence[str],
         layout: BlockLayout,
         block_tokens: int,
-        kv: SequenceKV,
+        kv: PagedKV,
+        first: int = 0,
     ) -> None:
         self._handle, self.keys = handle, list(keys)
         self._layout, self._tokens, self._kv = layout, block_tokens, kv
+        per = block_tokens // kv.pool.page_tokens
+        self._pages = kv.table()[first * per : (first + len(self.keys)) * per]
         self._ready = [threading.Event() for _ in range(layout.layers)]
         self._staged: list[Tensor | None] = [None] * layout.layers
         self.error: str | None = None
@@ -246,8 +219,7 @@ class PrefixLoader:
             raise PrefixLoadError(self.error or f"layer {layer} of the prefix was not loaded")
         lay = self._layout
         blocks = staged.view(lay.dtype).view(len(self.keys), 2, lay.kv_heads, -1, lay.head_dim)
-        for j in range(len(self.keys)):
-            self._kv.load_layer(layer, j, blocks[j])
+        self._kv.pool.write_blocks(layer, self._pages, blocks)
 
 
 # --- writing new blocks layer by layer --------------------------------------------------------
@@ -264,7 +236,7 @@ class BlockWriter:
         self,
         put: PutHandle,
         layout: BlockLayout,
-        kv: SequenceKV,
+        kv: PagedKV,
         targets: Sequence[Target],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
@@ -351,6 +323,10 @@ class StoredPrefill:
     loaded_at: list[float] = field(default_factory=list)
     loaded_from: dict[str, int] = field(default_factory=dict)  # tier -> loaded blocks
 
+    def release(self) -> None:
+        """Give the prompt's pages back to the pool (its published blocks stay cached)."""
+        self.prefilled.kv.release()
+
     def tokens_by_tier(self, prompt_tokens: int, block_tokens: int) -> dict[str, int]:
         """Prompt tokens per tier their KV came from (`TIERS`); they add up to the prompt."""
         out = dict.fromkeys(TIERS, 0)
@@ -394,13 +370,13 @@ async def prefill_with_store(
 
 
 async def _open_prefix(
-    engine: Engine, store: StoreClient, keys: Sequence[str], layout: BlockLayout
+    store: StoreClient, keys: Sequence[str], size: int
 ) -> tuple[GetHandle | None, int]:
+    """A lookup of `keys` and how many of them, from the first, the store holds whole."""
     if not keys:
         return None, 0
     handle = await store.start_get(keys)
-    n = leading_hits([handle.size(k) for k in keys], layout.object_size(engine.block_tokens))
-    return handle, n
+    return handle, leading_hits([handle.size(k) for k in keys], size)
 
 
 async def _prefill_once(
@@ -412,24 +388,60 @@ async def _prefill_once(
     preferred_segment: str | None,
     cancelled: threading.Event,
 ) -> StoredPrefill:
-    loop = asyncio.get_running_loop()
-    layout, size_t = BlockLayout.of(engine), engine.block_tokens
+    layout, size_t = engine.layout, engine.block_tokens
     keys = engine.block_keys(tokens)
     # The Conductor's `cached_blocks` was its view at admission; blocks stored since (by a
     # request admitted just before this one) are in the pool too: look up every usable
     # leading block (one round trip) and load the prefix actually there.
     usable = engine.usable_cached_blocks(len(tokens), len(keys))
-    want = usable if cached_blocks >= 0 else 0
-    handle, n = await _open_prefix(engine, store, keys[:want], layout)
-    kv = engine.new_kv(len(tokens) + 64)
-    kv.length = n * size_t  # filled layer by layer by the loader, before each layer reads it
-    loader = PrefixLoader(handle, keys[:n], layout, size_t, kv) if handle and n else None
-    loaded_from = loaded_tiers(handle, keys[:n], preferred_segment) if handle and n else {}
-    targets = write_targets(keys, len(tokens), size_t, n, tail_key)
+    kv = engine.new_kv()
+    try:
+        pooled = kv.adopt_cached(keys[:usable])  # the engine tier: shared pages, no I/O
+        want = usable if cached_blocks >= 0 else pooled
+        handle, in_store = await _open_prefix(store, keys[:want], layout.object_size(size_t))
+        n = max(pooled, in_store)
+        if not kv.reserve(len(tokens)):
+            raise KVPoolExhausted(f"no room in the KV pool for a prompt of {len(tokens)} tokens")
+        kv.length = n * size_t  # filled layer by layer by the loader, before each layer reads it
+        done = await _compute_and_store(
+            engine, store, kv, tokens, keys, (pooled, in_store, n), handle,
+            tail_key, preferred_segment, cancelled,
+        )  # fmt: skip
+    except BaseException:
+        kv.release()
+        raise
+    kv.publish_blocks(keys, size_t)
+    return done
+
+
+async def _compute_and_store(
+    engine: Engine,
+    store: StoreClient,
+    kv: PagedKV,
+    tokens: list[int],
+    keys: list[str],
+    counts: tuple[int, int, int],
+    handle: GetHandle | None,
+    tail_key: str,
+    preferred_segment: str | None,
+    cancelled: threading.Event,
+) -> StoredPrefill:
+    """Load blocks pooled..n-1 from the store, compute the rest, and write every block the
+    store lacks (from `in_store` on: pooled ones too) and the tail while computing."""
+    pooled, in_store, n = counts
+    layout, size_t = engine.layout, engine.block_tokens
+    loader = None
+    loaded_from = {ENGINE: pooled} if pooled else {}
+    if handle is not None and n > pooled:
+        loader = PrefixLoader(handle, keys[pooled:n], layout, size_t, kv, first=pooled)
+        for tier, count in loaded_tiers(handle, keys[pooled:n], preferred_segment).items():
+            loaded_from[tier] = loaded_from.get(tier, 0) + count
+    targets = write_targets(keys, len(tokens), size_t, in_store, tail_key)
     put = await store.start_put(
         [(t.key, layout.object_size(t.tokens)) for t in targets],
         preferred_segment=preferred_segment,
     )
+    loop = asyncio.get_running_loop()
     writer = BlockWriter(put, layout, kv, [t for t in targets if t.key in put.keys], loop)
     abandoned = threading.Event()
     hooks = _Hooks(loader, writer, cancelled, abandoned)
@@ -470,7 +482,7 @@ async def _prefill_once(
 
 async def _ensure_stored(
     store: StoreClient,
-    kv: SequenceKV,
+    kv: PagedKV,
     targets: Sequence[Target],
     results: dict[str, p.Refused | None],
     preferred_segment: str | None,
@@ -501,7 +513,7 @@ async def _ensure_stored(
 
 async def replicate_blocks(
     store: StoreClient,
-    kv: SequenceKV,
+    kv: PagedKV,
     keys: Sequence[tuple[str, int]],
     block_tokens: int,
     segment: str,

@@ -50,4 +50,4 @@ async def test_a_completed_request_is_counted_once_with_its_latencies(rig: Rig) 
     s = r.settings
     assert value("mc_slo_seconds", slo="ttft") == s.slo.ttft_s
     assert value("mc_slo_seconds", slo="tbt") == s.slo.tbt_s
-    assert value("mc_decode_kv_capacity_tokens") == s.engine.kv_capacity_tokens
+    assert value("mc_decode_kv_capacity_tokens") == r.worker.engine.pool.capacity_tokens

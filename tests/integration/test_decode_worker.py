@@ -103,7 +103,7 @@ class Rig:
             blocks = self.reference.blocks(pf.kv)
             items += [(k, block_to_bytes(b)) for k, b in zip(keys, blocks, strict=True)]
         if tail and store_tail:
-            part = torch.stack([kvl[:, :, len(keys) * BLOCK : len(prompt)] for kvl in pf.kv.layers])
+            part = pf.kv.piece(len(keys) * BLOCK, tail)
             items.append((tkey, block_to_bytes(part)))
         refused = await self.store.put_many(items)
         assert all(r is None or r.reason.value == "exists" for r in refused), refused
@@ -255,7 +255,7 @@ async def test_concurrent_requests_stream_what_generate_gives(rig: Rig) -> None:
     assert not r.worker.batch.running
     reports = [x for x in r.loads if x.instance == INSTANCE]
     assert reports and reports[-1].role == "decode" and reports[-1].node == INSTANCE
-    assert reports[-1].kv_capacity_tokens == r.settings.engine.kv_capacity_tokens
+    assert reports[-1].kv_capacity_tokens == r.worker.engine.pool.capacity_tokens
     assert any(x.running >= 1 and x.context_tokens > 0 for x in reports)
 
 

@@ -1,6 +1,7 @@
 """What the prefill worker counts, over a real NATS and a real store (the rig of
-test_prefill_worker): every prompt token once, split by where its KV came from (this node's
-DRAM, another node's DRAM, or computed), and the first token it generates."""
+test_prefill_worker): every prompt token once, split by where its KV came from (the engine's
+own pool, this node's DRAM, another node's DRAM, or computed), and the first token it
+generates."""
 
 from __future__ import annotations
 
@@ -41,14 +42,26 @@ async def test_prompt_tokens_by_tier_local_and_computed(rig: Rig) -> None:
     await prefill(r, "m-a", prompt)
     assert delta(before) == {"computed": 37, "prompt": 37, "first_tokens": 1}
 
-    # The same first two blocks again: they are in this worker's own DRAM segment.
+    # The same first two blocks again: still cached in this worker's engine pool.
     before = counts()
     await prefill(r, "m-b", prompt[: 2 * BLOCK] + tokens(9, 32), cached_blocks=2)
+    assert r.worker.last is not None and r.worker.last.loaded_from == {"engine": 2}
+    assert delta(before) == {
+        "engine": 2 * BLOCK,
+        "computed": 9,
+        "prompt": 2 * BLOCK + 9,
+        "first_tokens": 1,
+    }
+
+    # Once the pool has evicted them, they come from this worker's own DRAM segment.
+    r.engine.pool.pages.evict_idle()
+    before = counts()
+    await prefill(r, "m-c", prompt[: 2 * BLOCK] + tokens(7, 34), cached_blocks=2)
     assert r.worker.last is not None and r.worker.last.loaded_from == {"local_dram": 2}
     assert delta(before) == {
         "local_dram": 2 * BLOCK,
-        "computed": 9,
-        "prompt": 2 * BLOCK + 9,
+        "computed": 7,
+        "prompt": 2 * BLOCK + 7,
         "first_tokens": 1,
     }
 

@@ -21,9 +21,8 @@ from nats.js import JetStreamContext
 from mooncake import events as ev
 from mooncake.bus import terminal
 from mooncake.config import BusSettings, DummyModel, EngineSettings, Settings, StoreSettings
-from mooncake.engine import Engine, LayerHooks, SequenceKV, block_from_bytes
+from mooncake.engine import Engine, LayerHooks, PagedKV, block_from_bytes
 from mooncake.engine.engine import Prefilled
-from mooncake.serving.kvstore import BlockLayout
 from mooncake.serving.local_store import local_store
 from mooncake.serving.models import build_engine
 from mooncake.store.client import StoreClient
@@ -52,7 +51,7 @@ class SlowEngine(Engine):
     def prefill(
         self,
         tokens: Sequence[int],
-        prefix: SequenceKV | None = None,
+        prefix: PagedKV | None = None,
         hooks: LayerHooks | None = None,
         all_logits: bool = False,
     ) -> Prefilled:
@@ -204,7 +203,7 @@ async def assert_kv_stored(r: Rig, work: PrefillWork) -> Prefilled:
         block = block_from_bytes(bytes(data))
         n = BLOCK if j < len(keys) else tail
         assert block.shape == (LAYERS, 2, 2, n, 16)
-        want = torch.stack([kvl[:, :, j * BLOCK : j * BLOCK + n] for kvl in ref.kv.layers])
+        want = ref.kv.piece(j * BLOCK, n)
         torch.testing.assert_close(block, want, atol=ATOL, rtol=0)
     return ref
 
@@ -268,7 +267,9 @@ async def test_blocks_stream_layer_by_layer_while_computing(rig: Rig) -> None:
     await assert_kv_stored(r, work)
 
     # Loading is layer by layer too: each layer arrived before the layer that read it ran.
+    # (The engine's pool still caches those blocks: emptied, so they come from the store.)
     r.engine.layer_delay_s = 0.0
+    assert r.engine.pool.pages.evict_idle() > 0
     await r.submit("req-s2", work.token_ids[:48] + tokens(5, 4), cached_blocks=3)
     await r.wait_event(ev.RequestPrefilled, "req-s2")
     done = r.worker.last
@@ -344,7 +345,7 @@ async def test_unreadable_cached_prefix_is_recomputed(rig: Rig) -> None:
     r = rig
     prompt = tokens(40, 9)
     first_key = r.engine.block_keys(prompt)[0]
-    size = BlockLayout.of(r.engine).object_size(BLOCK)
+    size = r.engine.layout.object_size(BLOCK)
     assert await r.store.put(first_key, bytes(size)) is None  # right size, not a KV block
     await r.submit("req-x", prompt, cached_blocks=2)
     await r.wait_event(ev.RequestPrefilled, "req-x")
@@ -353,3 +354,28 @@ async def test_unreadable_cached_prefix_is_recomputed(rig: Rig) -> None:
     [p] = r.of(ev.RequestPrefilled, "req-x")
     assert isinstance(p, ev.RequestPrefilled) and p.cached_tokens == 0
     assert p.first_token_id == int(torch.argmax(r.reference.prefill(prompt).logits))
+
+
+async def test_a_prefix_this_instance_computed_is_shared_from_its_engine_pool(rig: Rig) -> None:
+    """The second prompt with the same prefix takes its blocks from the engine's own pool
+    (the "engine" tier): no store read, the same pages, the same logits as from scratch."""
+    r = rig
+    first = await r.submit("req-e1", tokens(53, 7))  # 3 whole blocks + a tail of 5
+    await r.wait_event(ev.RequestPrefilled, "req-e1")
+    await r.idle()
+    pool = r.engine.pool
+    keys = r.engine.block_keys(first.token_ids)
+    assert all(pool.pages.contains(k) for k in keys)
+    assert pool.pages.used == 0  # the prompt's pages went back; its blocks stay cached, idle
+    prompt = first.token_ids[:48] + tokens(9, 8)
+    await r.submit("req-e2", prompt, cached_blocks=0)  # the Conductor knew of no prefix
+    await r.wait_event(ev.RequestPrefilled, "req-e2")
+    await r.idle()
+    done = r.worker.last
+    assert done is not None and done.loaded_blocks == 3 and done.loaded_at == []
+    assert done.loaded_from == {"engine": 3}
+    assert done.tokens_by_tier(len(prompt), BLOCK)["engine"] == 48
+    torch.testing.assert_close(
+        done.prefilled.logits, r.reference.prefill(prompt).logits, atol=ATOL, rtol=0
+    )
+    await assert_kv_stored(r, first)

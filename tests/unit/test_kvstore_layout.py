@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
-from mooncake.engine import ModelSpec, SequenceKV, block_from_bytes, block_to_bytes
-from mooncake.engine.kv import HEADER
+from mooncake.engine import KVPool, ModelSpec, PagedKV, block_from_bytes, block_to_bytes
+from mooncake.engine.kv import HEADER, BlockLayout
 from mooncake.serving.kvstore import (
-    BlockLayout,
     Target,
     block_object,
     layer_piece,
@@ -19,24 +19,28 @@ from mooncake.serving.kvstore import (
 SPEC = ModelSpec(64, 32, 3, 4, 2, 64, 256)  # vocab, hidden, layers, heads, kv_heads, ffn, ctx
 
 
-def random_kv(tokens: int, dtype: torch.dtype = torch.float32) -> SequenceKV:
-    kv = SequenceKV(SPEC, dtype, torch.device("cpu"), capacity=tokens + 8)
+def random_kv(tokens: int, dtype: torch.dtype = torch.float32) -> tuple[PagedKV, Tensor]:
+    """A sequence's KV in pages of a pool (4-token pages), and the same KV as a reference
+    [layers, 2, kv_heads, tokens, head_dim] tensor."""
+    pool = KVPool(SPEC, dtype, torch.device("cpu"), budget_bytes=1 << 20, page_tokens=4)
+    kv = pool.sequence()
+    assert kv.reserve(tokens)
     g = torch.Generator().manual_seed(1)
+    ref = torch.randn((SPEC.layers, 2, SPEC.kv_heads, tokens, SPEC.head_dim), generator=g)
+    ref = ref.to(dtype)
     for layer in range(SPEC.layers):
-        k = torch.randn((SPEC.kv_heads, tokens, SPEC.head_dim), generator=g).to(dtype)
-        v = torch.randn((SPEC.kv_heads, tokens, SPEC.head_dim), generator=g).to(dtype)
-        kv.write(layer, 0, k, v)
+        kv.load_layer(layer, 0, ref[layer])
     kv.length = tokens
-    return kv
+    return kv, ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [8, 5])  # a whole block and a partial tail
 def test_layer_ranges_cut_the_engine_block_bytes(dtype: torch.dtype, tokens: int) -> None:
-    kv = random_kv(16, dtype)
+    kv, ref = random_kv(16, dtype)
     layout = BlockLayout(SPEC.layers, SPEC.kv_heads, SPEC.head_dim, dtype)
     start = 8
-    block = torch.stack([kvl[:, :, start : start + tokens] for kvl in kv.layers])
+    block = ref[:, :, :, start : start + tokens]
     data = block_to_bytes(block)
     assert len(data) == layout.object_size(tokens)
     assert data[: HEADER.size] == layout.header(tokens)
@@ -54,7 +58,7 @@ def test_layer_ranges_cut_the_engine_block_bytes(dtype: torch.dtype, tokens: int
 
 
 def test_pieces_assemble_into_a_readable_block() -> None:
-    kv = random_kv(8)
+    kv, ref = random_kv(8)
     layout = BlockLayout(SPEC.layers, SPEC.kv_heads, SPEC.head_dim, torch.float32)
     buf = bytearray(layout.object_size(8))
     buf[: HEADER.size] = layout.header(8)
@@ -62,7 +66,7 @@ def test_pieces_assemble_into_a_readable_block() -> None:
         offset, length = layout.layer_range(layer, 8)
         buf[offset : offset + length] = layer_piece(kv, layer, 0, 8).numpy().tobytes()
     block = block_from_bytes(bytes(buf))
-    assert torch.equal(block, torch.stack([kvl[:, :, :8] for kvl in kv.layers]))
+    assert torch.equal(block, ref)
 
 
 def test_layer_out_of_range() -> None:
