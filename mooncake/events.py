@@ -191,6 +191,37 @@ class DecodeStarted(RequestEvent):
     attempt: Annotated[int, Field(ge=1)] = 1
 
 
+class DecodePreempted(RequestEvent):
+    """A decode instance took the request out of its running batch because its KV pool ran
+    out of pages. The request is not lost: the instance keeps its work and resumes it
+    (`DecodeResumed`) once pages are free, reloading or recomputing the KV it gave back."""
+
+    SUBJECT: ClassVar[str] = "mc.req.decode_preempted"
+    type: Literal["request.decode_preempted"] = "request.decode_preempted"
+
+    instance: SubjectToken
+    attempt: Annotated[int, Field(ge=1)] = 1
+    preemption: Annotated[int, Field(ge=1)] = 1  # the n-th preemption of this attempt
+    output_tokens: Annotated[int, Field(ge=0)] = 0  # generated before it was taken out
+    context_tokens: Annotated[int, Field(ge=0)] = 0  # KV tokens whose pages it gave back
+
+
+class DecodeResumed(RequestEvent):
+    """A preempted request is back in its instance's batch."""
+
+    SUBJECT: ClassVar[str] = "mc.req.decode_resumed"
+    type: Literal["request.decode_resumed"] = "request.decode_resumed"
+
+    instance: SubjectToken
+    attempt: Annotated[int, Field(ge=1)] = 1
+    preemption: Annotated[int, Field(ge=1)] = 1
+    # Where the KV it gave back came from: shared from the engine's pool or read from the
+    # store (the prompt's blocks), or computed again (the tokens it had generated).
+    reloaded_tokens: Annotated[int, Field(ge=0)] = 0
+    recomputed_tokens: Annotated[int, Field(ge=0)] = 0
+    waited_s: Annotated[float, Field(ge=0)] = 0.0
+
+
 class RequestCompleted(RequestEvent):
     SUBJECT: ClassVar[str] = "mc.req.completed"
     type: Literal["request.completed"] = "request.completed"
@@ -286,6 +317,8 @@ EVENT_CLASSES: tuple[type[Event], ...] = (
     PrefillStarted,
     RequestPrefilled,
     DecodeStarted,
+    DecodePreempted,
+    DecodeResumed,
     RequestCompleted,
     RequestFailed,
     CancelRequested,
@@ -314,6 +347,8 @@ AnyEvent = Annotated[
     | PrefillStarted
     | RequestPrefilled
     | DecodeStarted
+    | DecodePreempted
+    | DecodeResumed
     | RequestCompleted
     | RequestFailed
     | CancelRequested

@@ -42,6 +42,9 @@ _ALLOWED_FROM: dict[type[ev.RequestEvent], frozenset[Status | None]] = {
     ev.PrefillStarted: frozenset({Status.ADMITTED, Status.PREFILLING}),
     ev.RequestPrefilled: frozenset({Status.ADMITTED, Status.PREFILLING}),
     ev.DecodeStarted: frozenset({Status.PREFILLED, Status.DECODING}),
+    # Preempted for KV pages and resumed on the same instance: still decoding throughout.
+    ev.DecodePreempted: frozenset({Status.DECODING}),
+    ev.DecodeResumed: frozenset({Status.DECODING}),
     ev.RequestCompleted: frozenset({Status.PREFILLED, Status.DECODING}),
 }
 
@@ -65,6 +68,7 @@ class RequestState:
     output_tokens: int = 0
     prefill_attempts: int = 0
     decode_attempts: int = 0
+    preemptions: int = 0  # times a decode instance preempted it for KV pages
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     prefill_s: float | None = None
@@ -159,6 +163,8 @@ def _fold(s: RequestState, e: ev.RequestEvent) -> RequestState:
                 decode_instance=e.instance,
                 decode_attempts=s.decode_attempts + 1,
             )
+        case ev.DecodePreempted():
+            return replace(s, preemptions=s.preemptions + 1)
         case ev.RequestCompleted():
             return _finish(
                 s,

@@ -88,6 +88,7 @@ class RequestRow(Base):
     output_tokens: Mapped[int] = mapped_column(Integer)
     prefill_attempts: Mapped[int] = mapped_column(Integer)
     decode_attempts: Mapped[int] = mapped_column(Integer)
+    preemptions: Mapped[int] = mapped_column(Integer, server_default="0")
     predicted_ttft_s: Mapped[float | None] = mapped_column(Float)
     predicted_tbt_s: Mapped[float | None] = mapped_column(Float)
     prefill_s: Mapped[float | None] = mapped_column(Float)

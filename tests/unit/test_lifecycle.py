@@ -113,3 +113,24 @@ def test_any_sequence_never_leaves_a_terminal_state_and_errors_keep_state(idx: l
         if was_terminal:
             assert state is not None and state.terminal
         was_terminal = state is not None and state.terminal
+
+
+def test_preemptions_are_counted_while_the_request_stays_decoding() -> None:
+    events = happy_path()
+    completed = events.pop()
+    for n in (1, 2):
+        events += [
+            ev.DecodePreempted(request_id="r", instance="d0", preemption=n, occurred_at=at(n)),
+            ev.DecodeResumed(request_id="r", instance="d0", preemption=n, occurred_at=at(n + 0.5)),
+        ]
+    state, errors = fold(events)
+    assert errors == [] and state is not None
+    assert state.status is Status.DECODING and state.preemptions == 2
+    state, errors = fold([*events, completed.model_copy(update={"occurred_at": at(3)})])
+    assert errors == [] and state is not None and state.status is Status.COMPLETED
+
+
+def test_a_preemption_before_decoding_is_illegal() -> None:
+    state, _ = fold(happy_path()[:4])  # prefilled, decode not started
+    t = apply(state, ev.DecodePreempted(request_id="r", instance="d0"))
+    assert t.error is not None and state is not None and t.state == state
