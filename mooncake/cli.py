@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.live import Live
 
-from mooncake.cli_common import console, err, settings_or_exit
+from mooncake.cli_common import KV_CACHE_HELP, console, err, settings_or_exit
 from mooncake.commands.bench import bench_app
 from mooncake.commands.profile import profile_app
 from mooncake.commands.replay import replay
@@ -54,16 +54,18 @@ def _require_db(settings: Settings) -> str:
 @app.command()
 def up(
     workers: Annotated[bool, typer.Option(help="Start the worker processes")] = True,
+    kv_cache_bytes: Annotated[str | None, typer.Option(help=KV_CACHE_HELP)] = None,
 ) -> None:
     """Start what is missing (broker, database), migrate, start every worker; Ctrl-C stops."""
     from mooncake.stack import Stack, status_table
 
-    settings = settings_or_exit()
+    settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes)
     stack = Stack(settings)
     try:
         with console.status("starting infrastructure"):
             stack.start_infrastructure()
         if workers:
+            console.print(stack.kv_statement())
             stack.start_workers()
         console.print(
             f'logs in {settings.data_dir / "logs"}; `mooncake submit "hello"` in another '
@@ -116,9 +118,10 @@ def demo(
 def worker(
     role: Annotated[str, typer.Argument(help=f"One of: {', '.join(WORKERS)}")],
     instance: Annotated[str | None, typer.Option(help="Instance id")] = None,
+    kv_cache_bytes: Annotated[str | None, typer.Option(help=KV_CACHE_HELP)] = None,
 ) -> None:
     """Run one worker role against an existing broker and database."""
-    settings = settings_or_exit()
+    settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes)
     from workers.runtime import configure_logging
 
     configure_logging(settings.log_level)

@@ -15,12 +15,20 @@ console = Console()
 err = Console(stderr=True)
 
 
-def settings_or_exit() -> Settings:
+def settings_or_exit(**overrides: object) -> Settings:
+    """The settings, with command-line options (`overrides`, None = not given) on top."""
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        return load_settings()
-    except Exception as exc:  # a bad MOONCAKE_* value: say which, do not trace back
+        return load_settings(**given)
+    except Exception as exc:  # a bad MOONCAKE_* value or option: say which, do not trace back
         err.print(f"[red]invalid configuration:[/red] {exc}")
         raise typer.Exit(2) from exc
+
+
+KV_CACHE_HELP = (
+    "Bytes of each prefill/decode worker's KV pool, e.g. 1.5GiB (MOONCAKE_KV_CACHE_BYTES); "
+    "default: a quarter of this machine's memory over its engine workers"
+)
 
 
 def print_result(title: str, result: dict[str, object], as_json: bool) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mooncake.namespace import Namespace
@@ -110,8 +110,8 @@ class EngineSettings(BaseModel):
     device: str = "cpu"
     threads: Annotated[int, Field(ge=1)] | None = None
     dummy: DummyModel = DummyModel()
-    # Decode: KV tokens one instance's running batch may hold (admission control).
-    kv_capacity_tokens: Annotated[int, Field(ge=1)] = 65536
+    # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV
+    # pool, `Settings.kv_cache_bytes`).
     max_batch: Annotated[int, Field(ge=1, le=1024)] = 32
 
 
@@ -216,6 +216,13 @@ class Settings(BaseSettings):
     block_tokens: Annotated[int, Field(ge=16, le=4096)] = 512
     model_id: str = "smollm2-135m-instruct"
     hash_seed: int = 0x6D6F6F6E  # "moon"
+
+    # Bytes of the one KV pool each prefill and decode worker allocates at start (e.g.
+    # "1.5GiB"). None: a quarter of this machine's memory over the engine workers on it
+    # (`mooncake.memory.default_kv_cache_bytes`; `mooncake up` passes its own count).
+    kv_cache_bytes: ByteSize | None = None
+    # How many engine workers share this machine (what the default budget divides by).
+    engine_workers_per_host: Annotated[int, Field(ge=1, le=1024)] = 1
 
     slo: SLO = SLO()
     bus: BusSettings = BusSettings()

@@ -41,6 +41,9 @@ LAYOUT: tuple[tuple[str, int], ...] = (
     ("gateway", 1),
 )
 ROLES: tuple[str, ...] = tuple(role for role, _ in LAYOUT)
+# Workers that run the model and hold a KV pool: the default KV budget is divided by these.
+ENGINE_ROLES = ("prefill", "decode")
+ENGINE_WORKERS = sum(n for role, n in LAYOUT if role in ENGINE_ROLES)
 
 
 @dataclass
@@ -115,9 +118,29 @@ class Stack:
         # Several engine processes share this machine's cores: one torch thread each,
         # unless configured otherwise.
         env.setdefault("MOONCAKE_ENGINE__THREADS", "1")
+        # ... and its memory: each engine worker's KV pool is one share of it (or the budget
+        # given to `up`, which then overrides the environment's).
+        env["MOONCAKE_ENGINE_WORKERS_PER_HOST"] = str(ENGINE_WORKERS)
+        if self.settings.kv_cache_bytes is not None:
+            env["MOONCAKE_KV_CACHE_BYTES"] = str(int(self.settings.kv_cache_bytes))
         if self.gateway_port is not None:
             env["MOONCAKE_GATEWAY__PORT"] = str(self.gateway_port)
         return env
+
+    def kv_statement(self) -> str:
+        """What each engine worker's KV pool gets, and why (printed at start)."""
+        from mooncake import memory
+
+        total = memory.machine_memory()
+        if self.settings.kv_cache_bytes is not None:
+            budget, why = int(self.settings.kv_cache_bytes), "configured"
+        else:
+            budget = memory.default_kv_cache_bytes(total, ENGINE_WORKERS)
+            why = (
+                f"{memory.KV_SHARE_OF_MEMORY:.0%} of {total / memory.GIB:.1f} GiB over "
+                f"{ENGINE_WORKERS} engine workers; set --kv-cache-bytes to change it"
+            )
+        return f"KV cache per engine worker: {budget / memory.GIB:.2f} GiB ({why})"
 
     @property
     def gateway_url(self) -> str | None:

@@ -160,7 +160,7 @@ class DecodeWorker:
         self.ctx, self.engine, self.store, self.kv = ctx, engine, store, terminal_kv
         s = ctx.settings
         self.max_batch = s.engine.max_batch
-        self.capacity = min(s.engine.kv_capacity_tokens, engine.pool.capacity_tokens)
+        self.capacity = engine.pool.capacity_tokens
         self.instance = ctx.instance_id
         self.subjects = WorkSubjects(ctx.ns)
         self.streamer = TokenStreamer(ctx.nc, ctx.js, ctx.ns)

@@ -59,10 +59,10 @@ def _env(nats_url: str, tmp: Path, secret: str) -> dict[str, str]:
             "MOONCAKE_BLOCK_TOKENS": "16",
             "MOONCAKE_ENGINE__MODEL": "dummy",
             "MOONCAKE_ENGINE__THREADS": "1",
-            # The dummy model's KV is about 1 KiB per token: a decode instance can hold the
-            # whole burst (the default capacity is sized for a real model), so the burst
-            # measures admission, not the decode instance's KV budget.
-            "MOONCAKE_ENGINE__KV_CAPACITY_TOKENS": str(1 << 22),
+            # The dummy model's KV is 512 bytes per token: a 2 GiB pool (resident only as
+            # written) holds the whole burst, so the burst measures admission, not the
+            # decode instance's KV budget.
+            "MOONCAKE_KV_CACHE_BYTES": str(2 << 30),
         }
     )
     return env

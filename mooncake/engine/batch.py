@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mooncake.core import kv_admission
 from mooncake.engine.engine import Engine, Prefilled
 from mooncake.engine.errors import EngineError
 from mooncake.engine.paged import PagedDecode
@@ -175,7 +176,7 @@ class DecodeBatch:
             if seq.id not in self.running:
                 continue  # preempted while making room for an older one
             while not seq.kv.reserve(seq.kv.length + 1):
-                victim = max(self.slots, key=lambda s: s.joined)
+                victim = self.running[kv_admission.victim({s.id: s.joined for s in self.slots})]
                 self._preempt(victim)
                 if victim is seq:
                     break

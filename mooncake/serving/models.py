@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from mooncake import events as ev
+from mooncake import memory
 from mooncake.config import EngineSettings, Settings
 from mooncake.engine import Engine, ModelSpec, dummy_model
 from mooncake.engine import SamplingParams as EngineSampling
@@ -16,11 +19,23 @@ def dummy_spec(s: EngineSettings) -> ModelSpec:
     return ModelSpec(d.vocab, d.hidden, d.layers, d.heads, d.kv_heads, d.ffn, d.context)
 
 
+log = logging.getLogger("mooncake.engine")
+
+
+def kv_budget_bytes(settings: Settings) -> int:
+    """The KV pool's budget: configured, or derived from the machine (`mooncake.memory`)."""
+    if settings.kv_cache_bytes is not None:
+        return int(settings.kv_cache_bytes)
+    return memory.default_kv_cache_bytes(memory.machine_memory(), settings.engine_workers_per_host)
+
+
 def build_engine(settings: Settings) -> Engine:
-    """The configured model on the configured device (EngineError on a bad model file)."""
+    """The configured model on the configured device with its KV pool (EngineError on a bad
+    model file, or a budget that cannot hold one full context)."""
     s = settings.engine
     if s.threads is not None:
         torch.set_num_threads(s.threads)
+    memory.keep_heap_small()
     if s.model == "dummy":
         model, tokenizer = dummy_model(dummy_spec(s), device=s.device), None
     else:
@@ -28,12 +43,33 @@ def build_engine(settings: Settings) -> Engine:
 
         loaded = load_gguf(s.gguf_path or smollm2_path(), device=s.device)
         model, tokenizer = loaded.model, loaded.tokenizer
-    return Engine(
+    memory.release_free_heap()  # what dequantizing the weights left in the heap
+    engine = Engine(
         model,
         tokenizer,
         block_tokens=settings.block_tokens,
         hash_seed=settings.hash_seed,
         model_id=settings.model_id,
+        kv_budget_bytes=kv_budget_bytes(settings),
+    )
+    log.info("%s", memory_statement(engine))
+    return engine
+
+
+def weights_bytes(engine: Engine) -> int:
+    return sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+
+
+def memory_statement(engine: Engine) -> str:
+    """The budget a worker states at start: what it holds and the bound it keeps to."""
+    pool, mib = engine.pool, memory.MIB
+    weights = weights_bytes(engine)
+    bound = memory.bound_bytes(weights, pool.budget_bytes)
+    return (
+        f"memory: weights {weights / mib:.0f} MiB + KV pool {pool.budget_bytes / mib:.0f} MiB "
+        f"({pool.capacity_tokens:,} tokens in {pool.pages.total:,} pages of "
+        f"{pool.page_tokens}) + other {memory.OTHER_ALLOWANCE / mib:.0f} MiB = bound "
+        f"{bound / mib:.0f} MiB"
     )
 
 

@@ -1,0 +1,87 @@
+"""A worker's memory: the default KV budget, the bound a worker states at start, and a C heap
+that gives freed memory back.
+
+KV budget. Every engine worker (prefill, decode) allocates one KV pool from its budget
+(`Settings.kv_cache_bytes`, `MOONCAKE_KV_CACHE_BYTES`, `--kv-cache-bytes`). Unset, it is a
+quarter of the machine's memory split over the engine workers that run on it (`mooncake up`
+passes its own count; a worker started alone assumes it is the only one). A quarter, because
+each engine worker also holds its model's weights (twice on the CPU: the oneDNN-packed copy
+the GEMMs read), its store node's DRAM segment and the runtime, and the machine has other
+processes; clamped to [512 MiB, 64 GiB].
+
+Stated bound. A worker logs at start what it may come to hold: weights + KV budget + a fixed
+allowance for everything else (the runtime, its store node, transients), the figure
+`mooncake bench memory` holds its peak RSS to.
+
+Heap. glibc raises its mmap threshold each time a large block is freed, after which
+allocations up to 32 MiB come from the heap, whose freed memory is rarely returned: loading
+a GGUF model (dequantizing tensor by tensor) left ~440 MiB of free heap resident in every
+worker. `keep_heap_small` fixes the threshold so large blocks are always mapped (and unmapped
+when freed), and `release_free_heap` trims what the loader left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+import psutil
+
+log = logging.getLogger("mooncake.memory")
+
+MIB, GIB = 1 << 20, 1 << 30
+KV_SHARE_OF_MEMORY = 0.25
+MIN_DEFAULT_KV = 512 * MIB
+MAX_DEFAULT_KV = 64 * GIB
+# Beyond weights and KV: torch's runtime (~280 MiB resident here), the store node's DRAM
+# segment (256 MiB by default), Python, and a prefill's activations. What bench memory holds
+# a role to (weights + KV budget + this), as issue 15 sets it.
+OTHER_ALLOWANCE = 600 * MIB
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+HEAP_MMAP_THRESHOLD = 1 * MIB
+
+
+def default_kv_cache_bytes(total_memory: int, engine_workers: int) -> int:
+    """The KV budget of one engine worker when none is configured."""
+    share = int(total_memory * KV_SHARE_OF_MEMORY) // max(engine_workers, 1)
+    return max(MIN_DEFAULT_KV, min(share, MAX_DEFAULT_KV))
+
+
+def machine_memory() -> int:
+    return int(psutil.virtual_memory().total)
+
+
+def bound_bytes(weights_bytes: int, kv_budget_bytes: int) -> int:
+    """The most a prefill or decode worker may hold resident: weights, its KV pool, and the
+    allowance for everything else."""
+    return weights_bytes + kv_budget_bytes + OTHER_ALLOWANCE
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    if not hasattr(lib, "mallopt") or not hasattr(lib, "malloc_trim"):
+        return None  # not glibc (musl, macOS): its allocator behaves otherwise
+    return lib
+
+
+def keep_heap_small() -> bool:
+    """Map every allocation of 1 MiB or more on its own (unmapped when freed) instead of
+    letting glibc's threshold climb; True if set (glibc only)."""
+    lib = _libc()
+    return bool(lib is not None and lib.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
+
+
+def release_free_heap() -> None:
+    """Give the heap's free memory back to the OS (after a model load)."""
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)
+
+
+def rss_bytes() -> int:
+    return int(psutil.Process().memory_info().rss)
