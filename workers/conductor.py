@@ -62,7 +62,13 @@ from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_feed import LiveFeed, Liveness, Member
 from mooncake.serving.conductor_reaper import Reaper
 from mooncake.serving.conductor_setup import build_costs, conductor_config
-from mooncake.serving.conductor_terminal import Ender, Known, KnownRequests, cancel_stage
+from mooncake.serving.conductor_terminal import (
+    Known,
+    KnownRequests,
+    cancel_stage,
+    cancelled_event_id,
+)
+from mooncake.serving.ending import Ender
 from mooncake.serving.models import build_tokenizer
 from mooncake.telemetry import inject_headers
 from mooncake.work import PrefillWork, WorkSubjects
@@ -464,8 +470,11 @@ class Conductor:
         known = self.known.get(event.request_id)
         stage = cancel_stage(self.view, event.request_id, known is not None)
         reply_to = known.reply_to if known is not None else None
-        if await self.ender.cancel(event, stage, reply_to):
-            log.info("request %s cancelled at %s", event.request_id, stage)
+        eid = cancelled_event_id(event.event_id)
+        rid = event.request_id
+        if await self.ender.cancel(rid, eid, reason=event.reason, stage=stage, reply_to=reply_to):
+            metrics.REQUESTS_ENDED_BY_CONDUCTOR.labels("cancelled", "requested").inc()
+            log.info("request %s cancelled at %s", rid, stage)
         self.view.apply(cl.RequestDropped(event.request_id), self._clock())
         return ACK
 

@@ -40,7 +40,8 @@ from mooncake.core.cost_model import Costs
 from mooncake.hashing import block_keys
 from mooncake.serving.conductor_dispatch import redispatch_msg_id
 from mooncake.serving.conductor_feed import Member
-from mooncake.serving.conductor_terminal import Ender, failed_event_id
+from mooncake.serving.conductor_terminal import failed_event_id
+from mooncake.serving.ending import Ender
 from mooncake.work import DecodeWork, PrefillWork, WorkSubjects
 
 log = logging.getLogger("mooncake.conductor.reaper")
@@ -249,7 +250,7 @@ class Reaper:
         await m.nak(delay=1.0)
 
     async def _fail(self, role: Role, work: Work, reason: str, detail: str) -> None:
-        await self.ender.fail(
+        ended = await self.ender.fail(
             work.request_id,
             failed_event_id(work.admitted_event_id, role),
             reason=reason,
@@ -257,6 +258,9 @@ class Reaper:
             detail=detail,
             reply_to=work.reply_to,
         )
+        if ended:
+            metrics.REQUESTS_ENDED_BY_CONDUCTOR.labels("failed", reason).inc()
+            log.warning("request %s failed at %s: %s %s", work.request_id, role, reason, detail)
         self.view.apply(cl.RequestDropped(work.request_id), self._clock())
 
 

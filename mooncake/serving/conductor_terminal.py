@@ -1,35 +1,16 @@
-"""How the Conductor ends a request: failed (retries spent, no instance) or cancelled.
-
-Every end goes through the terminal claim (`mooncake.bus.terminal`): whoever claims the
-request's slot first publishes its one terminal event; everybody else (a decode worker that
-finishes a moment later, a second cancel) loses the claim and publishes nothing. The claim
-value is the event id, so a redelivered handler that claimed and crashed before publishing
-claims again and publishes the same (deduplicated) event.
-
-The client hears it too: a final `TokenChunk(done, finish_reason)` on its `reply_to`.
-"""
+"""What the Conductor needs to end a request (failed: retries spent, no instance; or
+cancelled): the requests it admitted and their clients, where a request is, and the ids of
+the terminal events it would publish. The ending itself is `serving.ending.Ender`, the one
+mechanism every stage uses."""
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal
-
-from nats.aio.client import Client as NATS
-from nats.js.kv import KeyValue
 
 from mooncake import events as ev
-from mooncake import metrics
-from mooncake.bus import terminal
-from mooncake.bus.publish import Publisher
 from mooncake.core.cluster import ClusterView
-from mooncake.work import TokenChunk
-
-log = logging.getLogger("mooncake.conductor.terminal")
-
-FailStage = Literal["admission", "prefill", "decode", "store", "unknown"]
-CancelStage = Literal["admission", "prefill", "decode", "unknown"]
+from mooncake.serving.ending import CancelStage
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,63 +59,3 @@ def failed_event_id(admitted_event_id: str, stage: str) -> str:
 
 def cancelled_event_id(cancel_event_id: str) -> str:
     return ev.derived_event_id(cancel_event_id, "cancelled")
-
-
-class Ender:
-    def __init__(self, nc: NATS, publisher: Publisher, kv: KeyValue) -> None:
-        self.nc, self.publisher, self.kv = nc, publisher, kv
-
-    async def fail(
-        self,
-        request_id: str,
-        event_id: str,
-        *,
-        reason: str,
-        stage: FailStage,
-        detail: str = "",
-        reply_to: str | None = None,
-    ) -> bool:
-        """Fail the request unless something else ended it first; True if this did."""
-        if not await terminal.claim(self.kv, request_id, "failed", event_id):
-            return False
-        await self.publisher.publish(
-            ev.RequestFailed(
-                event_id=event_id, request_id=request_id, reason=reason, stage=stage,
-                detail=detail[:2000],
-            )
-        )  # fmt: skip
-        await self._final_chunk(reply_to, request_id, "failed", f"{reason}: {detail}"[:2000])
-        metrics.REQUESTS_ENDED_BY_CONDUCTOR.labels("failed", reason).inc()
-        log.warning("request %s failed at %s: %s %s", request_id, stage, reason, detail)
-        return True
-
-    async def cancel(
-        self, cancel: ev.CancelRequested, stage: CancelStage, reply_to: str | None
-    ) -> bool:
-        event_id = cancelled_event_id(cancel.event_id)
-        if not await terminal.claim(self.kv, cancel.request_id, "cancelled", event_id):
-            return False
-        await self.publisher.publish(
-            ev.RequestCancelled(
-                event_id=event_id, request_id=cancel.request_id, reason=cancel.reason,
-                stage=stage,
-            )
-        )  # fmt: skip
-        await self._final_chunk(reply_to, cancel.request_id, "cancelled", None)
-        metrics.REQUESTS_ENDED_BY_CONDUCTOR.labels("cancelled", "requested").inc()
-        return True
-
-    async def _final_chunk(
-        self,
-        reply_to: str | None,
-        request_id: str,
-        finish: Literal["cancelled", "failed"],
-        error: str | None,
-    ) -> None:
-        """The client's last chunk. It carries no tokens, so its index is no offset; 0."""
-        if not reply_to:
-            return
-        chunk = TokenChunk(
-            request_id=request_id, index=0, done=True, finish_reason=finish, error=error
-        )
-        await self.nc.publish(reply_to, chunk.to_json())
