@@ -45,7 +45,7 @@ class BusSettings(BaseModel):
     dedupe_window_s: Annotated[float, Field(gt=0)] = 120.0
     # Deliveries before a message that keeps failing is dead-lettered.
     max_deliver: Annotated[int, Field(ge=1)] = 5
-    # A consumer must ack (or send in_progress, see bus.consume.keep_alive) within this time
+    # A consumer must ack (or send in_progress, see bus.heartbeat) within this time
     # or the message is redelivered: also how long a crashed worker's messages wait.
     ack_wait_s: Annotated[float, Field(gt=0)] = 10.0
     # Backoff for nak-with-delay: delay = min(base * 2**(attempt-1), max).

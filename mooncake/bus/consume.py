@@ -12,6 +12,9 @@ A handler returns one `Outcome` per delivery; it never has to know about NATS ac
 A handler that raises is treated as `Retry`; a message delivered more than `max_deliver`
 times (even one that crashed the process every time) is dead-lettered before the handler
 sees it again.
+
+Handlers that hold messages until their work ends (a decode batch) use `feed` (asks for no
+more than the caller has room for) and `settle` later, with `bus.heartbeat.Heartbeats`.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class Delivery:
 
 BatchHandler = Callable[[list[Delivery]], Awaitable[Sequence[Outcome]]]
 Handler = Callable[[Delivery], Awaitable[Outcome]]
+Accept = Callable[[Delivery], None]
 
 
 def backoff_delay(num_delivered: int, bus: BusSettings) -> float:
@@ -228,13 +232,19 @@ class PullConsumer:
             self._sub = None
 
     async def _request_more(self) -> None:
-        now = time.monotonic()
-        if now - self._last_request > self._expires_s + 1.0:
-            # Every request we made has expired (or was lost in a reconnect).
-            self._outstanding = 0
+        self._expire_requests()
         want = self._batch * 2 - self._outstanding
         if want < self._batch and self._outstanding > 0:
             return
+        await self._request(want)
+
+    def _expire_requests(self) -> None:
+        if time.monotonic() - self._last_request > self._expires_s + 1.0:
+            # Every request we made has expired (or was lost in a reconnect).
+            self._outstanding = 0
+
+    async def _request(self, want: int) -> None:
+        now = time.monotonic()
         request = {"batch": want, "expires": int(self._expires_s * 1e9)}
         subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.spec.stream}.{self.spec.durable}"
         try:
@@ -275,6 +285,41 @@ class PullConsumer:
                 self._waiter = None
         queue = self._queue
         return [queue.popleft() for _ in range(min(len(queue), self._batch))]
+
+    def wake(self) -> None:
+        """Let `feed` look at the caller's room again now (rather than within a second)."""
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+    async def feed(
+        self,
+        accept: Accept,
+        room: Callable[[], int],
+        stop: asyncio.Event,
+        exhausted: Accept | None = None,
+    ) -> None:
+        """Ask for at most `room()` messages beyond those on their way; each goes to `accept`
+        (which books it at once) and is settled later with `settle`. One delivered more than
+        `max_deliver` times goes to `exhausted` (to end its work) or is dead-lettered."""
+        await self.start()
+        try:
+            while not stop.is_set():
+                self._expire_requests()
+                want = room() - self._outstanding
+                if want > 0:
+                    await self._request(want)
+                for d in self._split(await self._next_batch()):
+                    if d.num_delivered <= self._bus.max_deliver:
+                        accept(d)
+                    elif exhausted is not None:
+                        exhausted(d)
+                    else:
+                        await self._dead_letter(d, DeadLetter("max_deliver", f"{d.num_delivered}"))
+        finally:
+            await self.close()
+
+    async def settle(self, d: Delivery, outcome: Outcome) -> None:
+        await self._settle(d, outcome)  # a delivery `feed` handed over
 
     async def run(self, handler: BatchHandler, stop: asyncio.Event) -> None:
         await self.start()
@@ -356,22 +401,3 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 def _header_safe(text: str, limit: int = 1000) -> str:
     """Header values are one line of printable text."""
     return "".join(ch if ch.isprintable() else " " for ch in text)[:limit]
-
-
-@contextlib.asynccontextmanager
-async def keep_alive(delivery: Delivery, interval_s: float):  # type: ignore[no-untyped-def]
-    """Send `in_progress` every `interval_s` while a long handler runs (e.g. a prefill)."""
-
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            with contextlib.suppress(Exception):
-                await delivery.in_progress()
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
