@@ -8,7 +8,7 @@ Takes `PrefillWork` from `mc.prefill.<instance>` (stream MC_WORK, durable consum
 2. publishes `PrefillStarted`;
 3. loads the cached prefix blocks from the store layer by layer, computes the rest with the
    engine and writes every new block (and the partial tail) to the store layer by layer while
-   computing (`mooncake.serving.kvstore`), sending `in_progress` while it runs;
+   computing (`mooncake.serving.prefill_kv`), sending `in_progress` while it runs;
 4. samples the first token and sends it to the request's `reply_to` at once (TTFT);
 5. publishes `RequestPrefilled` and the `DecodeWork` for the chosen decode instance, then acks.
 
@@ -50,22 +50,18 @@ from mooncake.bus.consume import (
     Outcome,
     PullConsumer,
     Retry,
-    keep_alive,
     per_message,
 )
+from mooncake.bus.heartbeat import keep_alive
 from mooncake.bus.publish import MSG_ID
 from mooncake.config import Settings
 from mooncake.engine import Engine, EngineError
 from mooncake.engine.sampling import make_generator, sample
-from mooncake.serving.kvstore import (
-    TIERS,
-    PrefillCancelled,
-    StoredPrefill,
-    prefill_with_store,
-    replicate_blocks,
-)
+from mooncake.serving.ending import Ender
+from mooncake.serving.kvstore import TIERS, PrefillCancelled
 from mooncake.serving.local_store import LocalStore, local_store
 from mooncake.serving.models import build_engine, engine_params
+from mooncake.serving.prefill_kv import StoredPrefill, prefill_with_store, replicate_blocks
 from mooncake.telemetry import inject_headers, tracer
 from mooncake.work import DecodeWork, LoadReport, PrefillWork, TokenChunk, WorkSubjects, tail_key
 from workers.runtime import WorkerContext, configure_logging, worker_context
@@ -123,6 +119,7 @@ class PrefillWorker:
         self, ctx: WorkerContext, engine: Engine, store: LocalStore, terminal_kv: KeyValue
     ) -> None:
         self._ctx, self.engine, self.store, self._terminal = ctx, engine, store, terminal_kv
+        self.ender = Ender(ctx.nc, ctx.publisher, terminal_kv)
         self.subjects = WorkSubjects(ctx.ns)
         self.consumer = PullConsumer(
             ctx.nc, ctx.js, consumer_spec(ctx.instance_id), ctx.settings.bus, ctx.ns, batch=1
@@ -339,43 +336,17 @@ class PrefillWorker:
 
     async def _failed(self, work: PrefillWork, reason: str, detail: str) -> Outcome:
         eid = event_id(work, "prefill-failed")
-        if await terminal.claim(self._terminal, work.request_id, "failed", eid):
-            await self._ctx.publisher.publish(
-                ev.RequestFailed(
-                    event_id=eid,
-                    request_id=work.request_id,
-                    reason=reason,
-                    stage="prefill",
-                    detail=detail[:2000],
-                )
-            )
+        if await self.ender.fail(work.request_id, eid, reason=reason, stage="prefill",
+                                 detail=detail, reply_to=work.reply_to):  # fmt: skip
             metrics.REQUESTS_ENDED.labels("failed", ROLE, reason).inc()
-            await self._tell_client(work, "failed", detail)
         return ACK
 
     async def _cancelled(self, work: PrefillWork, reason: str) -> Outcome:
         eid = event_id(work, "prefill-cancelled")
-        if await terminal.claim(self._terminal, work.request_id, "cancelled", eid):
-            await self._ctx.publisher.publish(
-                ev.RequestCancelled(
-                    event_id=eid, request_id=work.request_id, reason=reason, stage="prefill"
-                )
-            )
+        if await self.ender.cancel(work.request_id, eid, reason=reason, stage="prefill",
+                                   reply_to=work.reply_to):  # fmt: skip
             metrics.REQUESTS_ENDED.labels("cancelled", ROLE, reason).inc()
-            await self._tell_client(work, "cancelled", reason)
         return ACK
-
-    async def _tell_client(self, work: PrefillWork, finish: str, detail: str) -> None:
-        if not work.reply_to:
-            return
-        chunk = TokenChunk(
-            request_id=work.request_id,
-            index=0,
-            done=True,
-            finish_reason="failed" if finish == "failed" else "cancelled",
-            error=detail[:2000],
-        )
-        await self._ctx.nc.publish(work.reply_to, chunk.to_json())
 
     # --- load reports -------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Engine KV <-> store objects, layer by layer.
+"""Engine KV <-> store objects, layer by layer (the pieces; `prefill_kv` runs a prefill with
+them, `decode_kv` loads a decode request's prompt).
 
 A KV block object in the store is exactly the engine's block bytes (`engine.kv`, the one
 codec: a 32-byte header, then [layers, 2, kv_heads, tokens, head_dim]), so layer i's K and V
@@ -12,35 +13,25 @@ prefill
 
 The partial last block of a prompt (fewer than `block_tokens` tokens) is stored too, under a
 request-scoped key, as a block whose header says how many tokens it holds, so the decode side
-gets the whole prompt's KV from the store.
-
-The prompt's KV lives in pages of the engine's pool (`engine.pool`). Leading blocks the pool
-still caches (an earlier prompt with the same prefix, on this instance) are shared, neither
-loaded nor computed: the "engine" tier, ahead of the store's DRAM. After the prefill every
-whole block of the prompt is offered to the pool's cache in turn.
-
-The engine is synchronous torch: `prefill_with_store` runs it in a worker thread and the
-hooks hand work to the event loop, so store I/O overlaps compute and the loop stays free.
+gets the whole prompt's KV from the store. A sequence's KV is read from and written to its
+pages in the engine's pool (`engine.pool`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from mooncake.engine import Engine, KVPoolExhausted, PagedKV, Prefilled
+from mooncake.engine import PagedKV
 from mooncake.engine.kv import HEADER, BlockLayout, block_to_bytes
-from mooncake.store import protocol as p
-from mooncake.store.client import GetHandle, PutHandle, StoreClient, StoreError
-from mooncake.store.types import Reason
+from mooncake.store.client import GetHandle, PutHandle, StoreError
 
 log = logging.getLogger("mooncake.serving.kvstore")
 
@@ -206,6 +197,15 @@ class PrefixLoader:
         self._ready[layer].set()
         return True
 
+    async def fill(self) -> None:
+        """Read every layer and put it into the pages at once, one layer staged at a time
+        (a decode instance loading a prompt: nothing computes meanwhile); PrefixLoadError
+        if a layer cannot be read or does not fit this model."""
+        for layer in range(self._layout.layers):
+            if not await self._read_layer(layer):
+                raise PrefixLoadError(self.error or f"layer {layer} could not be read")
+            await asyncio.to_thread(self._put, layer)
+
     def wait(self, layer: int, stopped: Callable[[], bool]) -> None:
         """Compute thread: block until layer `layer` is loaded, then put it into the KV."""
         deadline = time.monotonic() + LOAD_WAIT_S
@@ -214,6 +214,9 @@ class PrefixLoader:
                 raise PrefillCancelled("cancelled while loading the prefix")
             if time.monotonic() > deadline:
                 raise PrefixLoadError(f"layer {layer} of the prefix did not arrive in time")
+        self._put(layer)
+
+    def _put(self, layer: int) -> None:
         staged, self._staged[layer] = self._staged[layer], None
         if staged is None:
             raise PrefixLoadError(self.error or f"layer {layer} of the prefix was not loaded")
@@ -268,267 +271,3 @@ class BlockWriter:
             layer, parts = item
             await self._put.write(parts)
             self.written_at[layer] = time.monotonic()
-
-
-class _Hooks:
-    """The engine's LayerHooks for a prefill against the store (compute thread side)."""
-
-    def __init__(
-        self,
-        loader: PrefixLoader | None,
-        writer: BlockWriter,
-        cancelled: threading.Event,
-        abandoned: threading.Event,
-    ) -> None:
-        self._loader, self._writer = loader, writer
-        self._cancelled, self._abandoned = cancelled, abandoned
-        self.computed_at: dict[int, float] = {}
-
-    def _stopped(self) -> bool:
-        return self._cancelled.is_set() or self._abandoned.is_set()
-
-    def _check(self) -> None:
-        if self._stopped():
-            raise PrefillCancelled("prefill stopped at a layer boundary")
-
-    def before_layer(self, layer: int) -> None:
-        self._check()
-        if self._loader is not None:
-            self._loader.wait(layer, self._stopped)
-
-    def after_layer(self, layer: int, k: Tensor, v: Tensor) -> None:
-        self.computed_at[layer] = time.monotonic()
-        self._writer.layer_done(layer)
-        self._check()
-
-
-# --- one prefill against the store ------------------------------------------------------------
-
-
-@dataclass
-class StoredPrefill:
-    """A prefill whose KV is in the store: every whole block under its chained key, the
-    partial tail (if any) under `tail_key`."""
-
-    prefilled: Prefilled
-    block_keys: list[str]
-    loaded_blocks: int  # leading blocks read from the store instead of computed
-    tail_key: str | None
-    tail_tokens: int
-    written: list[str]  # objects this prefill wrote (the others were stored already)
-    load_fallback: str | None = None  # why the cached prefix was dropped and recomputed
-    # Monotonic stamps per layer: computed (after_layer), written (put piece done), loaded.
-    computed_at: dict[int, float] = field(default_factory=dict)
-    written_at: dict[int, float] = field(default_factory=dict)
-    loaded_at: list[float] = field(default_factory=list)
-    loaded_from: dict[str, int] = field(default_factory=dict)  # tier -> loaded blocks
-
-    def release(self) -> None:
-        """Give the prompt's pages back to the pool (its published blocks stay cached)."""
-        self.prefilled.kv.release()
-
-    def tokens_by_tier(self, prompt_tokens: int, block_tokens: int) -> dict[str, int]:
-        """Prompt tokens per tier their KV came from (`TIERS`); they add up to the prompt."""
-        out = dict.fromkeys(TIERS, 0)
-        for tier, blocks in self.loaded_from.items():
-            out[tier] += blocks * block_tokens
-        out[COMPUTED] = prompt_tokens - self.loaded_blocks * block_tokens
-        return out
-
-
-async def prefill_with_store(
-    engine: Engine,
-    store: StoreClient,
-    tokens: Sequence[int],
-    *,
-    cached_blocks: int,
-    tail_key: str,
-    preferred_segment: str | None,
-    cancelled: threading.Event,
-) -> StoredPrefill:
-    """Prefill `tokens`, loading up to `cached_blocks` leading blocks from the store and
-    writing every other block (and the tail) to it while computing.
-
-    Raises EngineError (bad input: before any store I/O), PrefillCancelled (`cancelled` was
-    set: the put is revoked), StoreError/KvWriteError (transient). A cached prefix that cannot
-    be read is recomputed rather than failing the request.
-    """
-    tokens = [int(t) for t in tokens]
-    engine.check_tokens(tokens)
-    try:
-        return await _prefill_once(
-            engine, store, tokens, cached_blocks, tail_key, preferred_segment, cancelled
-        )
-    except PrefixLoadError as exc:
-        log.warning("cached prefix unusable (%s): recomputing it", exc)
-        # -1: load nothing, compute the whole prompt.
-        done = await _prefill_once(
-            engine, store, tokens, -1, tail_key, preferred_segment, cancelled
-        )
-        done.load_fallback = str(exc)
-        return done
-
-
-async def _open_prefix(
-    store: StoreClient, keys: Sequence[str], size: int
-) -> tuple[GetHandle | None, int]:
-    """A lookup of `keys` and how many of them, from the first, the store holds whole."""
-    if not keys:
-        return None, 0
-    handle = await store.start_get(keys)
-    return handle, leading_hits([handle.size(k) for k in keys], size)
-
-
-async def _prefill_once(
-    engine: Engine,
-    store: StoreClient,
-    tokens: list[int],
-    cached_blocks: int,
-    tail_key: str,
-    preferred_segment: str | None,
-    cancelled: threading.Event,
-) -> StoredPrefill:
-    layout, size_t = engine.layout, engine.block_tokens
-    keys = engine.block_keys(tokens)
-    # The Conductor's `cached_blocks` was its view at admission; blocks stored since (by a
-    # request admitted just before this one) are in the pool too: look up every usable
-    # leading block (one round trip) and load the prefix actually there.
-    usable = engine.usable_cached_blocks(len(tokens), len(keys))
-    kv = engine.new_kv()
-    try:
-        pooled = kv.adopt_cached(keys[:usable])  # the engine tier: shared pages, no I/O
-        want = usable if cached_blocks >= 0 else pooled
-        handle, in_store = await _open_prefix(store, keys[:want], layout.object_size(size_t))
-        n = max(pooled, in_store)
-        if not kv.reserve(len(tokens)):
-            raise KVPoolExhausted(f"no room in the KV pool for a prompt of {len(tokens)} tokens")
-        kv.length = n * size_t  # filled layer by layer by the loader, before each layer reads it
-        done = await _compute_and_store(
-            engine, store, kv, tokens, keys, (pooled, in_store, n), handle,
-            tail_key, preferred_segment, cancelled,
-        )  # fmt: skip
-    except BaseException:
-        kv.release()
-        raise
-    kv.publish_blocks(keys, size_t)
-    return done
-
-
-async def _compute_and_store(
-    engine: Engine,
-    store: StoreClient,
-    kv: PagedKV,
-    tokens: list[int],
-    keys: list[str],
-    counts: tuple[int, int, int],
-    handle: GetHandle | None,
-    tail_key: str,
-    preferred_segment: str | None,
-    cancelled: threading.Event,
-) -> StoredPrefill:
-    """Load blocks pooled..n-1 from the store, compute the rest, and write every block the
-    store lacks (from `in_store` on: pooled ones too) and the tail while computing."""
-    pooled, in_store, n = counts
-    layout, size_t = engine.layout, engine.block_tokens
-    loader = None
-    loaded_from = {ENGINE: pooled} if pooled else {}
-    if handle is not None and n > pooled:
-        loader = PrefixLoader(handle, keys[pooled:n], layout, size_t, kv, first=pooled)
-        for tier, count in loaded_tiers(handle, keys[pooled:n], preferred_segment).items():
-            loaded_from[tier] = loaded_from.get(tier, 0) + count
-    targets = write_targets(keys, len(tokens), size_t, in_store, tail_key)
-    put = await store.start_put(
-        [(t.key, layout.object_size(t.tokens)) for t in targets],
-        preferred_segment=preferred_segment,
-    )
-    loop = asyncio.get_running_loop()
-    writer = BlockWriter(put, layout, kv, [t for t in targets if t.key in put.keys], loop)
-    abandoned = threading.Event()
-    hooks = _Hooks(loader, writer, cancelled, abandoned)
-    tasks = [asyncio.create_task(writer.run())]
-    if loader is not None:
-        tasks.append(asyncio.create_task(loader.run()))
-    try:
-        prefilled = await asyncio.to_thread(engine.prefill, tokens, kv, hooks)
-        writer.close()
-        await tasks[0]
-        results = await put.commit()
-    except BaseException:
-        abandoned.set()  # a cancelled await leaves the thread running: stop it at a layer
-        for t in tasks:
-            t.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
-        await put.abort()
-        raise
-    finally:
-        for t in tasks[1:]:
-            t.cancel()
-    await _ensure_stored(store, kv, targets, results, preferred_segment)
-    tail = targets[-1] if targets and targets[-1].key == tail_key else None
-    return StoredPrefill(
-        prefilled=prefilled,
-        block_keys=keys,
-        loaded_blocks=n,
-        tail_key=tail_key if tail is not None else None,
-        tail_tokens=tail.tokens if tail is not None else 0,
-        written=[t.key for t in writer.targets if results.get(t.key) is None],
-        computed_at=hooks.computed_at,
-        written_at=writer.written_at,
-        loaded_at=loader.loaded_at if loader is not None else [],
-        loaded_from=loaded_from,
-    )
-
-
-async def _ensure_stored(
-    store: StoreClient,
-    kv: PagedKV,
-    targets: Sequence[Target],
-    results: dict[str, p.Refused | None],
-    preferred_segment: str | None,
-) -> None:
-    """Every target must be in the store when the prefill reports its keys.
-
-    A key refused as EXISTS was stored by an earlier request (or is being stored by a
-    concurrent one: then it is complete soon). Anything else that did not land (a piece that
-    failed, no space at start) is put again whole from the KV we still hold.
-    """
-    missing = [t for t in targets if results.get(t.key) is not None]
-    if not missing:
-        return
-    exists = await store.exists_many([t.key for t in missing])
-    again = [t for t, present in zip(missing, exists, strict=True) if not present]
-    if not again:
-        return
-    items = [(t.key, block_object(kv, t.start, t.tokens)) for t in again]
-    refused = await store.put_many(items, preferred_segment=preferred_segment)
-    bad = [
-        f"{t.key}: {r.reason.value}"
-        for t, r in zip(again, refused, strict=True)
-        if r is not None and r.reason is not Reason.EXISTS
-    ]
-    if bad:
-        raise KvWriteError(f"{len(bad)} KV objects could not be stored: {'; '.join(bad[:3])}")
-
-
-async def replicate_blocks(
-    store: StoreClient,
-    kv: PagedKV,
-    keys: Sequence[tuple[str, int]],
-    block_tokens: int,
-    segment: str,
-) -> int:
-    """Hot-block replication (PAPER.md §3): put copies of blocks fetched from a remote node
-    into this instance's own segment. `keys` are (key, block index). Returns how many copies
-    were placed. Best effort: a refusal is not an error.
-
-    The master refuses a second put of a stored key (EXISTS) and has no "add a replica" op
-    yet, so until it does, copies of already-stored keys are refused and counted out.
-    """
-    if not keys:
-        return 0
-    items = await asyncio.to_thread(
-        lambda: [(k, block_object(kv, j * block_tokens, block_tokens)) for k, j in keys]
-    )
-    refused = await store.put_many(items, preferred_segment=segment)
-    return sum(r is None for r in refused)
