@@ -118,7 +118,15 @@ DECODE_CONTEXT_TOKENS = Gauge(
     "mc_decode_context_tokens", "KV tokens the running sequences of this decode worker hold"
 )
 DECODE_KV_CAPACITY_TOKENS = Gauge(
-    "mc_decode_kv_capacity_tokens", "KV tokens this decode worker may hold at once"
+    "mc_decode_kv_capacity_tokens", "KV tokens this decode worker's KV pool holds"
+)
+DECODE_KV_FREE_TOKENS = Gauge(
+    "mc_decode_kv_free_tokens",
+    "KV tokens this decode worker's pool can hand out now (free pages and idle cached blocks)",
+)
+DECODE_PREEMPTIONS = Counter(
+    "mc_decode_preemptions_total",
+    "Sequences this decode worker took out of its batch for lack of KV pages (each resumes)",
 )
 DECODE_KV_RECOMPUTED = Counter(
     "mc_decode_kv_recomputed_total",

@@ -88,7 +88,13 @@ class LoadReport(Wire):
     queued_tokens: Annotated[int, Field(ge=0)] = 0  # prompt tokens still to compute (prefill)
     running: Annotated[int, Field(ge=0)] = 0  # requests being computed (decode: batch size)
     context_tokens: Annotated[int, Field(ge=0)] = 0  # decode: KV tokens in the batch
+    # Decode: the KV pool (engine.pool): its whole capacity, what it can hand out now (free
+    # pages and cached blocks nobody holds, in tokens), its page size, and the preemptions
+    # it has made since the worker started.
     kv_capacity_tokens: Annotated[int, Field(ge=0)] | None = None
+    kv_free_tokens: Annotated[int, Field(ge=0)] | None = None
+    kv_page_tokens: Annotated[int, Field(ge=1)] | None = None
+    preemptions: Annotated[int, Field(ge=0)] = 0
 
 
 class TokenChunk(Wire):

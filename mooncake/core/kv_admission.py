@@ -71,13 +71,15 @@ def admit(state: PoolState, context_tokens: int, held_pages: int = 0) -> Verdict
     return Verdict.JOIN if need + reserve <= state.free_pages else Verdict.WAIT_PAGES
 
 
-def pull_room(state: PoolState, held: int, waiting_for_pages: bool) -> int:
-    """How many more work messages to ask the broker for: none while a request already
-    waits for pages (the rest of the work waits on the queue, where the Conductor sees it),
-    else what the batch has room for beyond the `held` requests taken and not yet running."""
-    if waiting_for_pages:
+def pull_room(state: PoolState, unadmitted: int) -> int:
+    """How many more work messages to ask the broker for. A message's prompt size is known
+    only once it arrives, so work is taken one message at a time: the next is asked for when
+    every message taken has its pages (`unadmitted` counts those that do not yet: just
+    arrived, or waiting for pages, preempted ones included) and the batch has a free slot.
+    Work the instance cannot hold yet stays on its queue, where the Conductor sees it."""
+    if unadmitted or state.running >= state.max_batch:
         return 0
-    return max(state.max_batch - state.running - held, 0)
+    return 1
 
 
 def victim(joined: Mapping[str, int]) -> str:

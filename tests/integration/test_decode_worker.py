@@ -8,6 +8,7 @@ replayable token copy, cancellation, deadlines, KV misses and failures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -166,19 +167,31 @@ class Rig:
 
 @pytest_asyncio.fixture
 async def rig(nats_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[Rig]:
-    settings = Settings(
-        nats_url=nats_url,
-        namespace=namespace,
-        data_dir=tmp_path / "data",
-        database_url=None,
-        block_tokens=BLOCK,
-        engine=EngineSettings(model="dummy", threads=1, max_batch=8),
-        store=StoreSettings(
+    async with running_rig(rig_settings(nats_url, namespace, tmp_path)) as r:
+        yield r
+
+
+def rig_settings(nats_url: str, namespace: str, tmp_path: Path, **overrides: object) -> Settings:
+    fields: dict[str, object] = {
+        "nats_url": nats_url,
+        "namespace": namespace,
+        "data_dir": tmp_path / "data",
+        "database_url": None,
+        "block_tokens": BLOCK,
+        "engine": EngineSettings(model="dummy", threads=1, max_batch=8),
+        "store": StoreSettings(
             secret=SECRET, dram_bytes=16 << 20, transports=("shm", "tcp"), heartbeat_s=0.2
         ),
-        bus=BusSettings(max_deliver=3, nak_base_delay_s=0.05),
-    )
-    ns = ev.Namespace(namespace)
+        "bus": BusSettings(max_deliver=3, nak_base_delay_s=0.05),
+    }
+    return Settings(**(fields | overrides))  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def running_rig(settings: Settings) -> AsyncIterator[Rig]:
+    """A decode worker with these settings over a real NATS and store, running."""
+    ns = ev.Namespace(settings.namespace)
+    nats_url = settings.nats_url
     nc = await nats.connect(nats_url)
     master = StoreMaster(nc, ns, new_state(settings.store, seed=1), tick_s=0.05)
     await master.start()

@@ -80,11 +80,12 @@ def test_a_longer_context_never_joins_where_a_shorter_one_waits(s: PoolState, n:
         assert admit(s, n) is Verdict.JOIN
 
 
-def test_pull_room_stops_while_a_request_waits_for_pages() -> None:
+def test_work_is_taken_one_message_at_a_time_once_the_last_has_its_pages() -> None:
     s = PoolState(page_tokens=16, total_pages=10, free_pages=10, running=1, max_batch=4)
-    assert pull_room(s, held=1, waiting_for_pages=False) == 2
-    assert pull_room(s, held=1, waiting_for_pages=True) == 0
-    assert pull_room(s, held=5, waiting_for_pages=False) == 0
+    assert pull_room(s, unadmitted=0) == 1
+    assert pull_room(s, unadmitted=1) == 0  # just arrived, or waiting for pages
+    full = PoolState(page_tokens=16, total_pages=10, free_pages=10, running=4, max_batch=4)
+    assert pull_room(full, unadmitted=0) == 0
 
 
 @given(st.dictionaries(st.text(min_size=1, max_size=4), st.integers(0, 100), min_size=1))
