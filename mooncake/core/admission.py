@@ -159,8 +159,8 @@ def decode_stage_check(
 ) -> StageVerdict:
     """The decode instance's check when a prefilled request reaches it: its current running
     batch plus this request, against the TBT limit (and its KV capacity, if bounded)."""
-    cap = decode.kv_capacity_tokens
-    if cap is not None and decode.context_tokens + context_tokens > cap:
+    room = decode.kv_room()  # this request's own reservation is not counted against it
+    if room is not None and context_tokens > room:
         return StageVerdict(False, float("inf"), float("inf"), RejectReason.DECODE_OVERLOADED)
     tbt = costs.decode.decode_step_s(decode.batch + 1, decode.context_tokens + context_tokens)
     load = tbt / cfg.tbt_slo_s

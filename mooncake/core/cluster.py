@@ -84,15 +84,17 @@ class RequestDropped:
 
 @dataclass(frozen=True, slots=True)
 class DecodeLoadReported:
-    """A decode instance's own count of its running batch (corrects drift). With a paged KV
-    pool, `context_tokens` is the pool's tokens in use (pages held by running sequences,
-    a shared prefix counted once) and `kv_capacity_tokens` the whole pool: what `fits`
-    measures against. None leaves the capacity the view has."""
+    """A decode instance's own count of its running batch (corrects drift): the batch and
+    its summed context (what a step's cost depends on), and its KV pool: the whole capacity
+    and the tokens' worth of pages it can hand out now (`kv_free_tokens`: free pages and
+    cached blocks nobody holds; a prefix shared by several sequences is held once). `fits`
+    measures against the free pages when they are reported. None leaves what the view has."""
 
     instance: str
     batch: int
     context_tokens: int
     kv_capacity_tokens: int | None = None
+    kv_free_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,12 +156,23 @@ class DecodeInstance:
     context_tokens: int = 0
     reserved_batch: int = 0
     reserved_tokens: int = 0
+    # The pool's free KV as of the last report, less what started decoding since (None: the
+    # instance reports none; its capacity less its context is used instead).
+    kv_free_tokens: int | None = None
+
+    def kv_room(self) -> int | None:
+        """KV tokens the instance can give a request now, before the ones reserved for
+        admitted requests still in prefill; None when unbounded."""
+        if self.kv_capacity_tokens is None:
+            return None
+        if self.kv_free_tokens is not None:
+            return self.kv_free_tokens
+        return self.kv_capacity_tokens - self.context_tokens
 
     def fits(self, tokens: int) -> bool:
-        if self.kv_capacity_tokens is None:
-            return True
-        used = self.context_tokens + self.reserved_tokens
-        return used + tokens <= self.kv_capacity_tokens
+        """Room for `tokens` more on top of every admitted request routed here."""
+        room = self.kv_room()
+        return room is None or self.reserved_tokens + tokens <= room
 
 
 @dataclass(slots=True)
@@ -215,6 +228,8 @@ class ClusterView:
                     d.batch, d.context_tokens = b, c
                     if fact.kv_capacity_tokens is not None:
                         d.kv_capacity_tokens = fact.kv_capacity_tokens
+                    if fact.kv_free_tokens is not None:
+                        d.kv_free_tokens = fact.kv_free_tokens
             case BlocksStored(node=node, keys=keys):
                 self.blocks.add(node, keys)
             case BlocksRemoved(node=node, keys=keys):
@@ -296,6 +311,8 @@ class ClusterView:
             d.reserved_tokens -= r.context_tokens
             d.batch += 1
             d.context_tokens += r.context_tokens
+            if d.kv_free_tokens is not None:  # its pages until the next report says
+                d.kv_free_tokens = max(d.kv_free_tokens - r.context_tokens, 0)
         r.phase, r.decode_started_at = "decoding", now
 
     def _release(self, rid: str) -> None:
@@ -309,6 +326,8 @@ class ClusterView:
         if r.phase == "decoding":
             d.batch = max(d.batch - 1, 0)
             d.context_tokens = max(d.context_tokens - r.context_tokens, 0)
+            if d.kv_free_tokens is not None and d.kv_capacity_tokens is not None:
+                d.kv_free_tokens = min(d.kv_free_tokens + r.context_tokens, d.kv_capacity_tokens)
         else:
             d.reserved_batch -= 1
             d.reserved_tokens -= r.context_tokens

@@ -70,9 +70,8 @@ class Liveness:
             m = self.members[r.instance] = Member(r.instance, r.role, r.node, now)
         m.last_seen, m.seq = now, r.seq
         if r.role == "decode":
-            facts.append(
-                cl.DecodeLoadReported(r.instance, r.running, r.context_tokens, r.kv_capacity_tokens)
-            )
+            free, cap = r.kv_free_tokens, r.kv_capacity_tokens
+            facts.append(cl.DecodeLoadReported(r.instance, r.running, r.context_tokens, cap, free))
         return facts
 
     def expire(self, now: float) -> list[tuple[Member, list[cl.Fact]]]:

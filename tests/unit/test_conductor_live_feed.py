@@ -118,3 +118,24 @@ def test_known_requests_are_bounded() -> None:
     for i in range(3):
         known.add(f"r{i}", Known(f"inbox.{i}", f"e{i}"))
     assert len(known) == 2 and known.get("r0") is None and known.get("r2") == Known("inbox.2", "e2")
+
+
+def test_the_fit_uses_the_free_pages_a_decode_instance_reports() -> None:
+    """Free KV as the pool reports it (a prefix shared by several sequences held once);
+    between reports it follows requests starting and ending; admitted requests still in
+    prefill are counted against it."""
+    live, v = Liveness(timeout_s=2.0), cl.ClusterView()
+    r = report("d1", "decode", "n2", running=2, context_tokens=3000, kv_capacity_tokens=4096,
+               kv_free_tokens=2500)  # fmt: skip
+    for f in live.report(r, 0.0):
+        v.apply(f, 0.0)
+    d = v.decode["d1"]
+    assert d.kv_free_tokens == 2500 and d.kv_room() == 2500
+    assert d.fits(2500) and not d.fits(2501)  # not capacity - context (1096): pages shared
+    v.apply(cl.InstanceJoined("p1", "prefill", "n1"), 0.0)
+    v.apply(cl.Assigned("r1", "p1", "d1", 1000, 0.1, 0.1), 0.0)
+    assert d.fits(1500) and not d.fits(1501)  # r1's 1000 reserved
+    v.apply(cl.DecodeStarted("r1"), 0.5)
+    assert d.kv_free_tokens == 1500 and d.fits(1500) and not d.fits(1501)
+    v.apply(cl.DecodeFinished("r1"), 0.9)
+    assert d.kv_free_tokens == 2500
