@@ -39,6 +39,7 @@ from mooncake.serving.decode_ends import DecodeEnds
 from mooncake.serving.decode_jobs import Job, Jobs
 from mooncake.serving.decode_loop import DecodeLoop
 from mooncake.serving.ending import Ender
+from mooncake.serving.engine_tier import EngineTier
 from mooncake.serving.local_store import LocalStore, cluster_secret, local_store
 from mooncake.serving.models import build_engine
 from mooncake.serving.streaming import TextDeltas, TokenStreamer
@@ -106,6 +107,8 @@ class DecodeWorker:
             asyncio.create_task(self.heartbeats.run()),
             asyncio.create_task(self._load_reports()),
             asyncio.create_task(self._reconcile()),
+            asyncio.create_task(EngineTier(self.ctx.nc, self.ctx.ns, self.instance,
+                                           self.engine.pool.pages).run()),
         ]  # fmt: skip
         pool = self.engine.pool
         log.info(

@@ -58,6 +58,7 @@ from mooncake.config import Settings
 from mooncake.engine import Engine, EngineError
 from mooncake.engine.sampling import make_generator, sample
 from mooncake.serving.ending import Ender
+from mooncake.serving.engine_tier import EngineTier
 from mooncake.serving.kvstore import TIERS, PrefillCancelled
 from mooncake.serving.local_store import LocalStore, local_store
 from mooncake.serving.models import build_engine, engine_params
@@ -141,12 +142,14 @@ class PrefillWorker:
     async def run(self) -> None:
         sub = await self._ctx.nc.subscribe(self.subjects.cancel(), cb=self._on_cancel)
         reports = asyncio.create_task(self._report_load())
+        tier = EngineTier(self._ctx.nc, self._ctx.ns, self._ctx.instance_id, self.engine.pool.pages)
+        announce = asyncio.create_task(tier.run())
         try:
             await self.consumer.run(per_message(self.handle, "prefill"), self._ctx.stop)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            await cancel_all([reports, *self._background])
+            await cancel_all([reports, announce, *self._background])
 
     async def _on_cancel(self, msg: Msg) -> None:
         event = ev.parse_event(msg.data)

@@ -19,7 +19,7 @@ would be O(N)); the facts are frozen values, and readers get plain values back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -194,10 +194,26 @@ class ClusterView:
         self.prefill: dict[str, PrefillInstance] = {}
         self.decode: dict[str, DecodeInstance] = {}
         self.blocks = BlockIndex()
+        # Each engine's own KV pool (its engine tier), by instance id: local to that instance,
+        # fetchable by no other, so kept out of `blocks` (the pool Algorithm 1 fetches from).
+        self.engine_blocks = BlockIndex()
         self.inflight: dict[str, Inflight] = {}
         # Sorted ids: iteration (and so tie-breaking) does not depend on join order.
         self.prefill_order: tuple[PrefillInstance, ...] = ()
         self.decode_order: tuple[DecodeInstance, ...] = ()
+
+    def local_blocks(self, keys: Sequence[str], p: PrefillInstance, in_dram: int) -> int:
+        """Leading blocks of `keys` instance `p` holds itself, in its node's DRAM (`in_dram`,
+        from the pool's match) or its engine's pool: what it needs no transfer for."""
+        engine = self.engine_blocks
+        if not len(engine):
+            return in_dram
+        n = 0
+        for key in keys:
+            if p.id not in engine.holders(key) and p.node not in self.blocks.holders(key):
+                break
+            n += 1
+        return max(n, in_dram)
 
     def prefill_instances(self) -> Iterator[PrefillInstance]:
         return iter(self.prefill_order)
@@ -212,6 +228,7 @@ class ClusterView:
             case InstanceLeft(instance=iid):
                 self.prefill.pop(iid, None)
                 self.decode.pop(iid, None)
+                self.engine_blocks.drop_node(iid)
                 self._reorder()
             case Assigned():
                 self._assigned(fact, now)

@@ -201,7 +201,7 @@ def _prefill_candidates(
     option_of: dict[int, tuple[int, float, float]] = {}
     out: list[PrefillCandidate] = []
     for p in view.prefill_order:
-        local = node_blocks.get(p.node, 0)
+        local = view.local_blocks(req.keys, p, node_blocks.get(p.node, 0))
         option = option_of.get(local)
         if option is None:
             option = option_of[local] = _prefix_option(local, best, prompt, cfg, costs)

@@ -10,8 +10,8 @@ whole prompt blocks stay cached after their last user left. No tensors here (see
   sequences with the same prefix `lookup` it and share the pages (refcounted) instead of
   loading or computing them again. A block's pages are never written once published (the
   engine writes only at positions past a sequence's whole blocks).
-- `take_changes()` hands the owner the keys that became cached or were evicted since the
-  last call (what the worker announces to the Conductor's index).
+- `cached_keys()` is what the worker announces to the Conductor's index as this instance's
+  engine tier (`serving.engine_tier`).
 
 Thread-safe: the engine thread and the event loop both allocate and release.
 """
@@ -34,8 +34,6 @@ class PageAllocator:
         self._blocks: dict[str, tuple[int, ...]] = {}  # key -> its pages
         self._idle: OrderedDict[str, None] = OrderedDict()  # unreferenced blocks, LRU first
         self._idle_pages = 0
-        self._stored: list[str] = []
-        self._removed: list[str] = []
         self._lock = threading.Lock()
 
     # --- counts ---------------------------------------------------------------------------
@@ -136,7 +134,6 @@ class PageAllocator:
             self._blocks[key] = tuple(pages)
             for p in pages:
                 self._block_of[p] = key
-            self._stored.append(key)
             return True
 
     def evict_idle(self) -> int:
@@ -147,13 +144,6 @@ class PageAllocator:
             while self._idle:
                 self._evict_one()
             return freed
-
-    def take_changes(self) -> tuple[list[str], list[str]]:
-        """(keys cached, keys evicted) since the last call."""
-        with self._lock:
-            stored, removed = self._stored, self._removed
-            self._stored, self._removed = [], []
-            return stored, removed
 
     # --- internals --------------------------------------------------------------------------
 
@@ -174,4 +164,3 @@ class PageAllocator:
         for p in pages:
             del self._block_of[p]
             self._free.append(p)
-        self._removed.append(key)

@@ -7,7 +7,8 @@ the recorder's job):
   silence longer than the liveness timeout is `InstanceLeft` (+ `NodeLost` when no live
   instance is left on its node, since a worker's store node lives in its process);
 - the KV index (`mc.kv.events.<node>`): `KvIndexSubscriber` follows every node straight into
-  the view's `BlockIndex`;
+  the view's `BlockIndex`, and every engine's pool (`mc.kv.engine.<instance>`, that
+  instance's engine tier) into `engine_blocks`;
 - lifecycle events of admitted requests (`mc.req.*`, a core subscription): the facts that
   move a request through the view's queues (`PrefillStarted`, `PrefillFinished`, ...).
 
@@ -146,6 +147,8 @@ class LiveFeed:
         self.nc, self.ns, self.view, self.liveness = nc, ns, view, liveness
         self.follower = KvIndexFollower(view.blocks)
         self.kv = KvIndexSubscriber(nc, ns, self.follower)
+        self.engine_follower = KvIndexFollower(view.engine_blocks)
+        self.engine_kv = KvIndexSubscriber(nc, ns, self.engine_follower, engine=True)
         self._on_dead, self._on_fact = on_dead, on_fact
         self._tick_s, self._clock = tick_s, clock
         self._subs: list[Subscription] = []
@@ -158,12 +161,15 @@ class LiveFeed:
             # node that only looked dead) is re-read from a snapshot, not from deltas.
             self.follower.drop_node(fact.node)
         else:
+            if isinstance(fact, cl.InstanceLeft):  # its engine tier dies with it
+                self.engine_follower.drop_node(fact.instance)
             self.view.apply(fact, self._clock())
         if self._on_fact is not None:
             self._on_fact(fact)
 
     async def start(self) -> None:
         await self.kv.start()
+        await self.engine_kv.start()
         self._subs.append(
             await self.nc.subscribe(WorkSubjects(self.ns).load("*"), cb=self._on_report)
         )
@@ -181,6 +187,7 @@ class LiveFeed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await self.kv.stop()
+        await self.engine_kv.stop()
 
     async def _on_report(self, msg: Msg) -> None:
         try:

@@ -23,18 +23,29 @@ log = logging.getLogger("mooncake.store.kv_follow")
 
 
 class KvIndexSubscriber:
+    """Follows the store nodes' KV events (`mc.kv.events.*`), or with `engine=True` the
+    engines' pools (`mc.kv.engine.*`, each instance's engine tier)."""
+
     def __init__(
-        self, nc: NATS, ns: Namespace, follower: KvIndexFollower, *, timeout_s: float = 2.0
+        self,
+        nc: NATS,
+        ns: Namespace,
+        follower: KvIndexFollower,
+        *,
+        timeout_s: float = 2.0,
+        engine: bool = False,
     ) -> None:
         self.nc, self.follower, self.timeout_s = nc, follower, timeout_s
         self.subjects = p.Subjects(ns)
+        self._events = self.subjects.engine_kv_events() if engine else self.subjects.kv_events()
+        self._snapshot = self.subjects.engine_kv_snapshot if engine else self.subjects.kv_snapshot
         self.snapshots = 0
         self._sub: Subscription | None = None
         self._fetching: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(self.subjects.kv_events("*"), cb=self._on_events)
+        self._sub = await self.nc.subscribe(self._events, cb=self._on_events)
         await self.nc.flush()
 
     async def stop(self) -> None:
@@ -65,7 +76,7 @@ class KvIndexSubscriber:
             for _ in range(8):
                 try:
                     resp = await self.nc.request(
-                        self.subjects.kv_snapshot(node_id), b"", timeout=self.timeout_s
+                        self._snapshot(node_id), b"", timeout=self.timeout_s
                     )
                     w = p.KvSnapshotWire.model_validate_json(resp.data)
                     snap = KvSnapshot(w.node_id, w.seq, tuple(w.keys), w.epoch)

@@ -254,3 +254,10 @@ class Subjects:
 
     def kv_snapshot(self, node_id: str) -> str:
         return self.ns.subject(f"mc.kv.snapshot.{node_id}")
+
+    def engine_kv_events(self, instance: str = "*") -> str:
+        """An engine's KV pool announcing the prompt blocks it caches (its engine tier)."""
+        return self.ns.subject(f"mc.kv.engine.{instance}")
+
+    def engine_kv_snapshot(self, instance: str) -> str:
+        return self.ns.subject(f"mc.kv.engine.{instance}.snapshot")

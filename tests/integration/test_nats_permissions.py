@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -515,3 +515,55 @@ def test_every_role_has_a_user() -> None:
     for role in ROLES:
         assert f"user: {role}\n" in text, role
         assert f"$NATS_{role.upper().replace('-', '_')}_PASSWORD" in text, role
+
+
+async def test_engine_tiers_and_preemptions_under_the_role_permissions(
+    broker: str, admin: NATS
+) -> None:
+    """Prefill and decode announce their engine tier and answer its snapshot requests; the
+    Conductor hears both and asks; decode records its preemptions; the Conductor cannot
+    announce a worker's engine tier."""
+    conductor = await as_role(broker, "conductor")
+    workers = {role: await as_role(broker, role) for role in ("prefill", "decode")}
+    try:
+        heard: list[str] = []
+
+        async def hear(msg: Msg) -> None:
+            heard.append(msg.subject)
+
+        await conductor.subscribe(STORE.engine_kv_events(), cb=hear)
+        await conductor.flush()
+        for role, nc in workers.items():
+
+            async def answer(msg: Msg) -> None:
+                await msg.respond(b'{"keys": []}')
+
+            await nc.subscribe(STORE.engine_kv_snapshot(f"{role}-0"), cb=answer)
+            await nc.flush()
+            await nc.publish(STORE.engine_kv_events(f"{role}-0"), b"{}")
+            await nc.flush()
+            reply = await conductor.request(STORE.engine_kv_snapshot(f"{role}-0"), b"", timeout=3)
+            assert reply.data
+        await wait_for_true(lambda: len(heard) == 2)
+        decode = workers["decode"]
+        js = decode.jetstream()
+        for event in (
+            ev.DecodePreempted(request_id="r-p", instance="d0"),
+            ev.DecodeResumed(request_id="r-p", instance="d0"),
+        ):
+            await js.publish(NS.of(type(event)), event.to_json())
+        assert decode.last_error is None and conductor.last_error is None
+        # the Conductor may not state a worker's engine tier
+        await conductor.publish(STORE.engine_kv_events("prefill-0"), b"{}")
+        await permission_error(conductor, STORE.engine_kv_events("prefill-0"))
+    finally:
+        await conductor.close()
+        for nc in workers.values():
+            await nc.close()
+
+
+async def wait_for_true(check: Callable[[], bool], within_s: float = 3.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        await asyncio.sleep(0.02)

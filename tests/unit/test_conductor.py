@@ -260,3 +260,23 @@ def test_nothing_admitted_breaks_the_slo_and_same_inputs_same_decision(
     again.apply(cl.DecodeLoadReported("d0", batch, 1000), 0.0)
     again.apply(cl.DecodeLoadReported("d1", batch // 2, 500), 0.0)
     assert decide(v, req(), cfg, COSTS, 0.0) == d == decide(again, req(), cfg, COSTS, 0.0)
+
+
+def test_an_engine_tier_hit_needs_no_transfer_and_is_nobody_elses() -> None:
+    """Blocks an instance's own engine pool caches count as its local prefix (alone, or
+    continuing what its node's DRAM holds); no other instance can fetch them."""
+    v = view()
+    v.engine_blocks.add("p1", KEYS[:6])
+    c = choose(v, req(), CFG, COSTS, 0.0)
+    assert c is not None and c.prefill.id == "p1"
+    assert (c.local_blocks, c.prefix_blocks, c.transfer_s) == (6, 6, 0.0)
+    assert c.best_blocks == 0  # the pool (store) holds none of them
+    others = {row[0]: row[1:3] for row in c.candidates}
+    assert others["p0"] == (0, 0) and others["p2"] == (0, 0)
+    # DRAM on p2's node holds blocks 0-1, its engine pool 2-4: 5 in a row, all local.
+    v.blocks.add("p2", KEYS[:2])
+    v.engine_blocks.add("p2", KEYS[2:5])
+    assert v.local_blocks(KEYS, v.prefill["p2"], 2) == 5
+    # An instance that leaves takes its engine tier with it.
+    v.apply(cl.InstanceLeft("p1"), 0.0)
+    assert not v.engine_blocks.holders(KEYS[0])
