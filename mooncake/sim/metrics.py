@@ -4,7 +4,8 @@
   count as failures) with TTFT <= the TTFT limit and TBT score <= X;
 - goodput: requests that finished inside both SLOs (the run's TTFT and TBT limits);
 - hit rate: prefix tokens reused / prompt tokens, over the requests that were prefilled;
-- prefill compute: summed GPU seconds of prefill (transfers excluded).
+- prefill compute: summed GPU seconds of prefill (transfers excluded);
+- preemptions: times a decode instance preempted a request for KV pages (all requests).
 """
 
 from __future__ import annotations
@@ -59,4 +60,6 @@ def summarize(reqs: list[SimRequest], ttft_slo_s: float, tbt_slo_s: float) -> di
         "hit_rate": reused / prompt if prompt else 0.0,
         "reused_tokens": reused,
         "prompt_tokens": prompt,
+        "preemptions": sum(r.preemptions for r in reqs),
+        "preempted_requests": sum(1 for r in reqs if r.preemptions),
     }

@@ -11,7 +11,9 @@ and acts on its Decisions; every scheduling choice is the core's. Per request:
    evictions reported to the block index); the KV streams to the decode instance, overlapped
    layer by layer with the prefill, so only one layer's share is left to wait for;
 4. decode: `baseline` re-checks the decode stage's own load here (rejecting wastes the
-   prefill); then continuous batching until the last token.
+   prefill); then continuous batching until the last token, each decode instance admitting
+   by free KV pages and preempting the youngest when they run out (sim/decode.py); a request
+   whose KV exceeds a whole instance is rejected there (stage decode, `kv_never_fits`).
 
 `cache_scope="local"` gives each prefill instance only its own DRAM (the Conductor never
 takes a remote prefix); `scheduler` picks how instances are chosen (FAST'25 Fig. 5).
@@ -29,7 +31,7 @@ from mooncake.core import cluster as cl
 from mooncake.core import conductor as cd
 from mooncake.core.cost_model import Costs
 from mooncake.sim.cache import LRUBlocks
-from mooncake.sim.decode import DecodeWorker
+from mooncake.sim.decode import DecodeHooks, DecodeWorker, KvPool
 from mooncake.sim.loop import EventLoop
 from mooncake.sim.request import SimRequest
 
@@ -84,6 +86,8 @@ class MooncakeSystem:
         self.prefill: dict[str, PrefillWorker] = {}
         self.decode: dict[str, DecodeWorker] = {}
         cap = cfg.cache_blocks_per_node
+        pool = KvPool.sized(cfg.kv_capacity_tokens, cfg.page_tokens, cfg.decode_max_batch)
+        hooks = DecodeHooks(self._joined, self._done, self._never_fits)
         for i in range(cfg.prefill_instances):
             pid = f"p{i:02d}"
             self.view.apply(cl.InstanceJoined(pid, "prefill"), 0.0)
@@ -92,7 +96,7 @@ class MooncakeSystem:
         for i in range(cfg.decode_instances):
             did = f"d{i:02d}"
             self.view.apply(cl.InstanceJoined(did, "decode", "", cfg.kv_capacity_tokens), 0.0)
-            self.decode[did] = DecodeWorker(did, loop, costs.decode, self._joined, self._done)
+            self.decode[did] = DecodeWorker(did, loop, costs, hooks, pool)
         self.rejections: dict[str, int] = {}
         self.took_remote = 0
 
@@ -182,10 +186,17 @@ class MooncakeSystem:
         self.decode[decision.decode_instance].join(req)
 
     def _joined(self, req: SimRequest) -> None:
-        self.view.apply(cl.DecodeStarted(req.rid), self.loop.now)
+        if not req.preemptions:  # a rejoin: the view has kept it as decoding throughout
+            self.view.apply(cl.DecodeStarted(req.rid), self.loop.now)
 
     def _done(self, req: SimRequest) -> None:
         self.view.apply(cl.DecodeFinished(req.rid), self.loop.now)
+
+    def _never_fits(self, req: SimRequest) -> None:
+        """Its KV needs more pages than the decode instance has at all."""
+        req.wasted_prefill = True
+        self._reject(req, "decode", "kv_never_fits")
+        self.view.apply(cl.RequestDropped(req.rid), self.loop.now)
 
     def load(self) -> tuple[float, float]:
         """(prefill load, decode load) now, as PAPER.md §5 measures them (SLO pressure)."""

@@ -1,7 +1,9 @@
 """One simulated request's life and the per-request scores (PAPER.md §7).
 
 TTFT = arrival -> first token (the prefill's last token). TBT is scored as FAST'25 does:
-the mean of the slowest 10 % of the request's inter-token gaps (at least one gap).
+the mean of the slowest 10 % of the request's inter-token gaps (at least one gap). A request
+preempted at decode keeps its tokens; the gap to its next token spans the whole wait and the
+reload (`token` measures from the previous token), so its TBT score shows the preemption.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class SimRequest:
     reused_tokens: int = 0  # prefix tokens the prefill did not recompute
     prefill_compute_s: float = 0.0
     wasted_prefill: bool = False
+    preemptions: int = 0  # times a decode instance preempted it for KV pages
 
     def first_token(self, now: float) -> None:
         self.first_token_at = self.last_token_at = now

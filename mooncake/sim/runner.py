@@ -44,6 +44,8 @@ class SimConfig:
     # vllm-prefix: the prefix cache lives in HBM next to the running KV (≈ 1.3 M tokens).
     hbm_cache_blocks: int | None = 2_539
     kv_capacity_tokens: int | None = 1_300_000  # KV one 8xA800 node holds in HBM
+    page_tokens: int = 16  # mooncake decode instances: KV page size (capacity // this pages)
+    decode_max_batch: int | None = None  # mooncake decode instances: batch limit; None = none
     chunk_tokens: int = 512  # vllm-chunked token budget per iteration (vLLM 0.5 default)
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
