@@ -86,7 +86,10 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
-    area = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    # Private: Python's default for an anonymous map is MAP_SHARED, which the kernel counts
+    # as shared memory (and keeps out of transparent huge pages); the pool is this process's.
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    area = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=flags)
     t = torch.frombuffer(area, dtype=dtype, count=count).view(shape)
     _madvise_huge(t)
     return t
