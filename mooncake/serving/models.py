@@ -43,7 +43,8 @@ def build_engine(settings: Settings) -> Engine:
 
         loaded = load_gguf(s.gguf_path or smollm2_path(), device=s.device)
         model, tokenizer = loaded.model, loaded.tokenizer
-    memory.release_free_heap()  # what dequantizing the weights left in the heap
+    model.pack_weights()  # on the CPU: one (packed) copy of the weights, not two
+    memory.release_free_heap()  # what dequantizing and packing the weights left in the heap
     engine = Engine(
         model,
         tokenizer,
@@ -57,7 +58,8 @@ def build_engine(settings: Settings) -> Engine:
 
 
 def weights_bytes(engine: Engine) -> int:
-    return sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+    """What the model's weights occupy (on the CPU: the packed copies, the embedding)."""
+    return engine.model.weight_bytes()
 
 
 def memory_statement(engine: Engine) -> str:

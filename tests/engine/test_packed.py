@@ -80,3 +80,31 @@ def test_batch_decode_follows_load_state_dict() -> None:
     assert tokens_a == tokens_b and tokens_a != before
     for x, y in zip(kv_a, kv_b, strict=True):
         assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+
+
+def test_packed_only_weights_give_the_same_tokens_and_free_the_plain_copies() -> None:
+    """Serving packs every GEMM weight once and frees the plain copy: the same logits (to
+    float32 ordering), the same greedy tokens, at every batch size, and the weights occupy
+    the embedding plus the packed copies only."""
+    plain = dummy_model(SPEC, seed=3, std=0.3)
+    served = dummy_model(SPEC, seed=3, std=0.3)
+    params = sum(t.numel() * 4 for t in served.state_dict().values())
+    assert served.pack_weights()
+    linears = [w for name, w in served.state_dict().items() if name.endswith(
+        ("q.weight", "k.weight", "v.weight", "o.weight", "gate.weight", "up.weight",
+         "down.weight"))]  # fmt: skip
+    assert linears and all(w.numel() == 0 for w in linears)
+    assert served.weight_bytes() >= params  # the embedding stays plain beside its packed copy
+    a, b = Engine(plain, block_tokens=16), Engine(served, block_tokens=16)
+    prompts = [list(range(3, 3 + n)) for n in (1, 7, 33)]
+    for p in prompts:
+        torch.testing.assert_close(b.prefill(p).logits, a.prefill(p).logits, atol=1e-4, rtol=0)
+    for engine in (a, b):
+        batch = DecodeBatch(engine)
+        for i, p in enumerate(prompts):
+            batch.add(str(i), engine.prefill(p), SamplingParams(max_tokens=12, stop_on_eos=False))
+        done = []
+        while len(batch):
+            done += batch.step()
+        engine.tokens = {c.id: c.tokens for c in done}  # type: ignore[attr-defined]
+    assert a.tokens == b.tokens  # type: ignore[attr-defined]
