@@ -248,7 +248,7 @@ class Conductor:
             if delay is not None:
                 alive = self.liveness.alive("prefill") and self.liveness.alive("decode")
                 why = (
-                    "no decode instance has KV room"
+                    "no decode instance's KV pool can hold the prompt"
                     if alive
                     else "no prefill or decode instance yet"
                 )

@@ -174,6 +174,10 @@ class DecodeInstance:
         room = self.kv_room()
         return room is None or self.reserved_tokens + tokens <= room
 
+    def could_hold(self, tokens: int) -> bool:
+        """Could the whole pool hold a request of `tokens` (once others have left)?"""
+        return self.kv_capacity_tokens is None or tokens < self.kv_capacity_tokens
+
 
 @dataclass(slots=True)
 class Inflight:

@@ -46,6 +46,8 @@ Readings of the pseudo-code (documented because the paper leaves them open):
 - Block counts become tokens as `min(blocks * block_tokens, prompt_tokens)`.
 - "d by load": the decode instance whose step time is least with the work already routed
   to it (running + reserved + this request), so a burst does not herd onto one instance;
+  among those with KV room for the prompt (free pages less what is reserved), else among
+  those whose pool can hold it at all (the instance queues it until pages are free);
   its predicted TBT (checked against the SLO) is the step time of its *current* batch plus
   this request - the decode load on arrival, as the early-rejection policy of PAPER.md §5
   defines it. Ties go to the smallest instance id (determinism).
@@ -230,7 +232,13 @@ def _prefix_option(
 def _decode_candidates(
     view: ClusterView, prompt_tokens: int, costs: Costs
 ) -> tuple[DecodeCandidate, ...]:
+    """Decode instances with KV room for the prompt now; when none has, those whose pool can
+    hold it at all: a paged decode instance keeps work it cannot hold yet on its queue (and
+    preempts rather than fails), so a full pool delays a request, it does not turn it away.
+    Rejecting for load is the admission policies' job."""
     step = costs.decode.decode_step_s
+    roomy = [d for d in view.decode_order if d.fits(prompt_tokens)]
+    pool = roomy or [d for d in view.decode_order if d.could_hold(prompt_tokens)]
     return tuple(
         (
             d.id,
@@ -243,8 +251,7 @@ def _decode_candidates(
                 d.context_tokens + d.reserved_tokens + prompt_tokens,
             ),
         )
-        for d in view.decode_order
-        if d.fits(prompt_tokens)
+        for d in pool
     )
 
 

@@ -139,3 +139,23 @@ def test_the_fit_uses_the_free_pages_a_decode_instance_reports() -> None:
     assert d.kv_free_tokens == 1500 and d.fits(1500) and not d.fits(1501)
     v.apply(cl.DecodeFinished("r1"), 0.9)
     assert d.kv_free_tokens == 2500
+
+
+def test_a_full_decode_pool_delays_a_request_it_does_not_turn_it_away() -> None:
+    """With no decode instance that has room now, Algorithm 1 routes to one whose pool can
+    hold the prompt at all (it queues the work, and preempts rather than fails); a prompt
+    no decode pool can ever hold finds no instance."""
+    from mooncake.core.conductor import ConductorConfig, ScheduleRequest, choose
+    from mooncake.core.cost_model import reference_costs
+
+    v = cl.ClusterView()
+    v.apply(cl.InstanceJoined("p1", "prefill", "n1"), 0.0)
+    for did, free in (("d1", 100), ("d2", 300)):
+        v.apply(cl.InstanceJoined(did, "decode", did, 4096), 0.0)
+        v.apply(cl.DecodeLoadReported(did, 1, 3000, 4096, free), 0.0)
+    costs, cfg = reference_costs(), ConductorConfig(block_tokens=16)
+    fits = choose(v, ScheduleRequest("a", 200, ()), cfg, costs, 0.0)
+    assert fits is not None and fits.decode.id == "d2"  # the one with room
+    full = choose(v, ScheduleRequest("b", 1000, ()), cfg, costs, 0.0)
+    assert full is not None and full.decode.id in ("d1", "d2")  # queued there
+    assert choose(v, ScheduleRequest("c", 5000, ()), cfg, costs, 0.0) is None
