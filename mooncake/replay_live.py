@@ -4,6 +4,8 @@ Each trace line becomes a real request: its hash ids become deterministic block 
 (`mooncake.trace.request_tokens`), so requests that share hash ids share a token prefix and
 therefore KV blocks, exactly as in the trace. Lengths are scaled to fit a CPU: a trace block
 (512 tokens) becomes `tokens_per_block` tokens, and the output length likewise, capped.
+Prompts that would not fit the model's context (with their output) are fitted to it first
+(`mooncake.trace_fit`; the summary's `fitted` says how many were changed or skipped).
 Requests are submitted at their trace timestamps divided by `speed`, all in flight at once,
 and the summary is built from what the clients saw plus the prefill events (cache hits).
 """
@@ -28,6 +30,7 @@ from mooncake.bus.connection import connect
 from mooncake.client import Outcome, ask
 from mooncake.config import Settings
 from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
+from mooncake.trace_fit import FitMode, fit_trace
 
 Progress = Callable[[Outcome], None]
 
@@ -41,6 +44,17 @@ class LiveReplayOptions:
     max_output_tokens: int = 32
     vocab_size: int = 49152
     timeout_s: float = 300.0
+    # The model's context, to fit prompts to (None: sent as the trace has them), and how.
+    context_tokens: int | None = None
+    fit: FitMode = FitMode.SCALE
+    # Request ids are `<id_prefix>-<i>`, i counting the requests sent (default: replay-<time>).
+    id_prefix: str | None = None
+
+
+def max_tokens(req: TraceRequest, opts: LiveReplayOptions) -> int:
+    """The request's output length, scaled like its blocks and capped."""
+    out = math.ceil(req.output_length * opts.tokens_per_block / TRACE_BLOCK_TOKENS)
+    return max(1, min(opts.max_output_tokens, out))
 
 
 def scaled_request(
@@ -49,9 +63,23 @@ def scaled_request(
     tokens = request_tokens(
         req, vocab_size=opts.vocab_size, tokens_per_block=opts.tokens_per_block, seed=seed
     )
-    out = math.ceil(req.output_length * opts.tokens_per_block / TRACE_BLOCK_TOKENS)
-    params = ev.SamplingParams(max_tokens=max(1, min(opts.max_output_tokens, out)))
-    return tokens, params
+    return tokens, ev.SamplingParams(max_tokens=max_tokens(req, opts))
+
+
+def fitted_trace(opts: LiveReplayOptions) -> tuple[list[TraceRequest], dict[str, object] | None]:
+    """The requests to send (TraceError, a ValueError, for a bad file), and what fitting
+    them to the context did (None without a context)."""
+    trace = load_trace(opts.trace, limit=opts.limit)
+    if opts.context_tokens is None:
+        return trace, None
+    fitted = fit_trace(
+        trace,
+        context_tokens=opts.context_tokens,
+        max_tokens=lambda r: max_tokens(r, opts),
+        tokens_per_block=opts.tokens_per_block,
+        mode=opts.fit,
+    )
+    return fitted.requests, fitted.summary()
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -114,9 +142,9 @@ async def run_live_replay(
         raise ValueError("--speed must be > 0")
     if opts.limit is not None and opts.limit < 1:
         raise ValueError("--limit must be at least 1")
-    trace = load_trace(opts.trace, limit=opts.limit)  # TraceError (a ValueError) if bad
+    trace, fitted = fitted_trace(opts)
     if not trace:
-        raise ValueError(f"{opts.trace} holds no requests")
+        raise ValueError(f"{opts.trace} holds no requests" + (" that fit" if fitted else ""))
     ns = ev.Namespace(settings.namespace)
     nc = await connect(settings, "replay", connect_timeout=3, max_reconnect_attempts=3)
     prefilled: dict[str, dict[str, Any]] = {}
@@ -130,7 +158,8 @@ async def run_live_replay(
     try:
         start = time.monotonic()
         t0 = trace[0].arrival_s
-        ids = [f"replay-{int(time.time())}-{i}" for i in range(len(trace))]
+        prefix = opts.id_prefix or f"replay-{int(time.time())}"
+        ids = [f"{prefix}-{i}" for i in range(len(trace))]
 
         async def one(i: int, req: TraceRequest) -> Outcome:
             delay = (req.arrival_s - t0) / opts.speed - (time.monotonic() - start)
@@ -149,7 +178,10 @@ async def run_live_replay(
         wall = time.monotonic() - start
         await asyncio.sleep(0.2)  # the last prefill events
         mine = {rid: prefilled[rid] for rid in ids if rid in prefilled}
-        return summarize(list(outcomes), mine, settings, wall)
+        result = summarize(list(outcomes), mine, settings, wall)
+        if fitted is not None:
+            result["fitted"] = fitted
+        return result
     finally:
         await sub.unsubscribe()
         await nc.drain()

@@ -15,12 +15,16 @@ import asyncio
 import dataclasses
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
 from mooncake.cli_common import console, err, print_result, settings_or_exit
+from mooncake.trace_fit import FitMode
+
+if TYPE_CHECKING:
+    from mooncake.replay_live import LiveReplayOptions
 
 REPLAY_PAYLOAD_TYPE = "request.submitted"
 _QUERY = """
@@ -191,6 +195,13 @@ def replay(
         None
     ),
     speed: Annotated[float, typer.Option(help="Arrival speed factor")] = 1.0,
+    fit_context: Annotated[
+        FitMode,
+        typer.Option(
+            help="TRACE prompts that, with their output, exceed the model's context: scale "
+            "(fewer blocks, hash ids kept) | truncate | skip"
+        ),
+    ] = FitMode.SCALE,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Replay TRACE against the live system, or (--from-db) re-run the recorded arrivals
@@ -204,7 +215,8 @@ def replay(
     settings = settings_or_exit()
     if trace is not None:
         per_block = tokens_per_block or settings.block_tokens
-        _replay_live(settings, trace, speed, limit, per_block, max_output, timeout, as_json)
+        live = _live_options(settings, trace, speed, limit, per_block, max_output, timeout)
+        _replay_live(settings, dataclasses.replace(live, fit=fit_context), as_json)
         return
     url = database_url or settings.database_url
     if not url:
@@ -224,7 +236,7 @@ def replay(
         print_comparison(result)
 
 
-def _replay_live(
+def _live_options(
     settings: Any,
     trace: Path,
     speed: float,
@@ -232,19 +244,33 @@ def _replay_live(
     tokens_per_block: int,
     max_output: int,
     timeout: float,
-    as_json: bool,
-) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    from mooncake.replay_live import LiveReplayOptions, run_live_replay
-    from mooncake.trace import TraceError
+) -> LiveReplayOptions:
+    """The live replay's options, with the model's vocabulary and context (exit 2 if bad)."""
+    from mooncake.engine.errors import EngineError
+    from mooncake.model_info import model_spec
+    from mooncake.replay_live import LiveReplayOptions
 
     if tokens_per_block < 1 or max_output < 1 or timeout <= 0:
         err.print("[red]--tokens-per-block and --max-output must be >= 1, --timeout > 0[/red]")
         raise typer.Exit(2)
-    vocab = settings.engine.dummy.vocab if settings.engine.model == "dummy" else 49152
-    opts = LiveReplayOptions(trace, speed, limit, tokens_per_block, max_output, vocab, timeout)
-    total = limit if limit is not None else None
+    try:
+        spec = model_spec(settings.engine)
+    except EngineError as exc:
+        err.print(f"[red]replay:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
+    return LiveReplayOptions(
+        trace, speed, limit, tokens_per_block, max_output, spec.vocab_size, timeout,
+        context_tokens=spec.context,
+    )  # fmt: skip
+
+
+def _replay_live(settings: Any, opts: LiveReplayOptions, as_json: bool) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from mooncake.replay_live import run_live_replay
+    from mooncake.trace import TraceError
+
+    trace, total = opts.trace, opts.limit
     columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=as_json) as progress:
         task = progress.add_task(f"replay {trace.name}", total=total)
@@ -260,6 +286,11 @@ def _replay_live(
         except Exception as exc:  # NATS unreachable and the like: one line, no traceback
             err.print(f"[red]replay failed:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
             raise typer.Exit(1) from exc
+    if fitted := result.get("fitted"):
+        err.print(
+            f"fit to the model's context ({fitted['context_tokens']} tokens, "
+            f"{fitted['mode']}): {fitted['changed']} prompts changed, {fitted['skipped']} skipped"
+        )
     print_result("replay", result if as_json else _flat(result), as_json)
 
 
