@@ -24,6 +24,7 @@ from mooncake.config import Settings
 
 if TYPE_CHECKING:
     from mooncake.events import SamplingParams
+    from mooncake.stack import Stack
 
 app = typer.Typer(help="mooncake: KVCache-centric disaggregated LLM serving", no_args_is_help=True)
 db_app = typer.Typer(help="The Postgres record: migrations, checks, rebuilds", no_args_is_help=True)
@@ -81,7 +82,9 @@ def up(
         console.print("stopped")
 
 
-def _wait_for_signal(stack: object, tick: Callable[[], None] = lambda: None) -> None:
+def _wait_for_signal(stack: Stack, tick: Callable[[], None] = lambda: None) -> None:
+    from mooncake.supervise import restart_exited
+
     stopping = False
 
     def _stop(*_: object) -> None:
@@ -92,10 +95,8 @@ def _wait_for_signal(stack: object, tick: Callable[[], None] = lambda: None) -> 
     signal.signal(signal.SIGINT, _stop)
     while not stopping:
         time.sleep(0.5)
-        for w in stack.workers:  # type: ignore[attr-defined]
-            if not w.running:
-                err.print(f"[yellow]{w.name} exited ({w.proc.returncode}); restarting[/yellow]")
-                stack.restart(w)  # type: ignore[attr-defined]
+        for e in restart_exited(stack):
+            err.print(f"[yellow]{e.name} exited ({e.returncode}); restarted[/yellow]")
         tick()
 
 

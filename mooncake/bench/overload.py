@@ -56,6 +56,14 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from mooncake import events as ev
+from mooncake.bench.record import (
+    STAGES,
+    Record,
+    quantile,
+    read_record,
+    rows,
+    terminals,
+)
 from mooncake.client import Outcome, ask
 from mooncake.services import EmbeddedNats, EmbeddedPostgres, ManagedProcess
 from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
@@ -63,7 +71,6 @@ from mooncake.work import LoadReport, WorkSubjects
 
 Log = Callable[[str], None]
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "conversation_head.jsonl"
-TERMINAL = ("request.completed", "request.failed", "request.cancelled", "request.rejected")
 PROFILE_MODEL = "dummy, stack-calibrated"
 
 
@@ -115,10 +122,6 @@ class Target:
     database_url: str
     namespace: str
     data_dir: Path
-
-
-def _libpq(url: str) -> str:
-    return "postgresql://" + url.split("://", 1)[1]
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -430,43 +433,6 @@ async def watching(stack: Stack, nc: NATS, ns: ev.Namespace, interval_s: float =
 
 # --- the record -----------------------------------------------------------------------------------
 
-# request id -> its recorded decision and terminal events, in record order: (type, payload)
-Record = dict[str, list[tuple[str, dict[str, Any]]]]
-STAGES = ("request.submitted", "request.admitted", "request.prefill_started", "request.prefilled")
-RECORDED = (*STAGES, *TERMINAL)
-
-
-async def _rows(database_url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-    import psycopg
-
-    async with await psycopg.AsyncConnection.connect(_libpq(database_url)) as conn:
-        cur = await conn.execute(sql, params)
-        return list(await cur.fetchall())
-
-
-async def read_record(database_url: str, ids: list[str], within_s: float = 30.0) -> Record:
-    """The admission and terminal events of `ids`, once every one of them has a terminal
-    event recorded (or `within_s` has passed: then what there is)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        rows = await _rows(
-            database_url,
-            "SELECT request_id, type, payload FROM events "
-            "WHERE request_id = ANY(%s) AND type = ANY(%s) ORDER BY id",
-            ids, list(RECORDED),
-        )  # fmt: skip
-        record: Record = defaultdict(list)
-        for rid, type_, payload in rows:
-            record[rid].append((type_, payload))
-        ended = sum(1 for r in record.values() if any(t in TERMINAL for t, _ in r))
-        if ended >= len(set(ids)) or time.monotonic() > deadline:
-            return record
-        await asyncio.sleep(0.5)
-
-
-def terminals(record: Record, rid: str) -> list[tuple[str, dict[str, Any]]]:
-    return [(t, p) for t, p in record.get(rid, []) if t in TERMINAL]
-
 
 def admitted_ids(record: Record, ids: list[str]) -> list[str]:
     return [rid for rid in ids if any(t == "request.admitted" for t, _ in record.get(rid, []))]
@@ -510,7 +476,7 @@ async def prefill_service_rows(database_url: str, ids: list[str]) -> list[dict[s
     one prefill start to the next on the same instance where the next request had been
     admitted before this one's prefill ended (the instance went straight on to it, so the
     gap is all this request's: its compute, store writes, hops and acks)."""
-    rows = await _rows(
+    found = await rows(
         database_url,
         "SELECT request_id, type, payload, occurred_at FROM events "
         "WHERE request_id = ANY(%s) AND type = ANY(%s)",
@@ -519,7 +485,7 @@ async def prefill_service_rows(database_url: str, ids: list[str]) -> list[dict[s
     admitted: dict[str, float] = {}
     started: dict[str, tuple[str, float]] = {}
     prefilled: dict[str, tuple[float, int, int]] = {}
-    for rid, type_, payload, at in rows:
+    for rid, type_, payload, at in found:
         t = at.timestamp()
         if type_ == "request.admitted":
             admitted[rid] = t
@@ -564,14 +530,6 @@ def decode_rows(opts: OverloadOptions) -> list[dict[str, Any]]:
 
 
 # --- figures and checks ---------------------------------------------------------------------------
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    """Nearest-rank quantile (None for no values); inf counts as a value (a miss)."""
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:

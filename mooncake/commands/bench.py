@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from mooncake.cli_common import err, print_result, settings_or_exit
+from mooncake.trace_fit import FitMode
 
 bench_app = typer.Typer(
     help="Benchmarks that measure a baseline in the same run", no_args_is_help=True
@@ -154,3 +156,61 @@ def bench_engine(
         log=err.print,
     )
     print_result("bench engine", result, as_json)
+
+
+@bench_app.command("memory")
+def bench_memory(
+    speed: Annotated[float, typer.Option(help="Arrival speed factor over the trace's")] = 5.0,
+    limit: Annotated[int, typer.Option(min=1, help="Requests of the trace to replay")] = 100,
+    kv_cache_bytes: Annotated[
+        str, typer.Option(help="Bytes of each prefill/decode worker's KV pool, e.g. 1.5GiB")
+    ] = "1.5GiB",
+    trace: Annotated[
+        Path | None, typer.Option(help="A Mooncake trace (default: the conversation trace)")
+    ] = None,
+    fit_context: Annotated[
+        FitMode,
+        typer.Option(help="Prompts that exceed the model's context: scale | truncate | skip"),
+    ] = FitMode.SCALE,
+    max_output: Annotated[int, typer.Option(min=1, help="Cap on output tokens per request")] = 32,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds from the first submission to stop waiting")
+    ] = 3600.0,
+    skip_decode_ratio: Annotated[
+        bool, typer.Option("--skip-decode-ratio", help="No paged-vs-contiguous decode run")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The whole system (as `mooncake up` runs it, on a private broker and database) under N
+    trace requests at SPEED x, every role's peak RSS against its bound (prefill/decode:
+    weights + KV budget + 600 MiB), OOM kills, preemptions, one terminal event per request.
+    throughput_req_s = completed / replay wall time; goodput_req_s = completed within the
+    SLO (ttft_s and tbt_s of settings.slo) / replay wall time. Also the paged KV pool's
+    decode tok/s at batch 32 over the old contiguous layout's, measured first."""
+    from mooncake.bench.memory import (
+        DEFAULT_RATIO,
+        DEFAULT_TRACE,
+        MemoryOptions,
+        run_memory_bench,
+    )
+    from mooncake.engine.errors import EngineError
+
+    settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes)
+    opts = MemoryOptions(
+        speed=speed,
+        limit=limit,
+        trace=trace or DEFAULT_TRACE,
+        fit=fit_context,
+        max_output_tokens=max_output,
+        timeout_s=timeout,
+        decode_ratio=None if skip_decode_ratio else DEFAULT_RATIO,
+    )
+    try:
+        result = asyncio.run(run_memory_bench(settings, opts, log=err.print))
+    except (ValueError, EngineError, OSError) as exc:
+        err.print(f"[red]bench memory:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
+    except RuntimeError as exc:
+        err.print(f"[red]bench memory failed:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(1) from exc
+    print_result("bench memory", result, as_json)

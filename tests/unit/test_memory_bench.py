@@ -1,0 +1,160 @@
+"""The pure pieces of `mooncake bench memory` on made-up records and processes, so that each
+of its checks is seen to fail: terminal events counted exactly once, goodput held to the
+SLO, bounds for engine roles only, OOM kills from either source, the supervisor's pass,
+the process-tree RSS and the cgroup counter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mooncake import memory
+from mooncake.bench import memwatch
+from mooncake.bench.memory import oom_figures, request_figures, role_figures, within_bound
+from mooncake.bench.record import Record
+from mooncake.config import SLO
+from mooncake.supervise import Exit, restart_exited
+
+SLO_ = SLO(ttft_s=2.0, tbt_s=0.1)
+
+
+def completed(ttft: float, tbt: float | None) -> tuple[str, dict[str, object]]:
+    return ("request.completed", {"ttft_s": ttft, "tbt_s": tbt, "output_tokens": 3})
+
+
+def test_request_figures_count_each_end_and_find_what_did_not_end_once() -> None:
+    record: Record = {
+        "a": [("request.admitted", {}), completed(1.0, 0.05)],
+        "b": [completed(3.0, 0.05)],  # TTFT over the SLO
+        "c": [completed(1.0, None)],  # one token: no TBT, within
+        "d": [("request.rejected", {"reason": "ttft_slo"})],
+        "e": [("request.failed", {"reason": "decode_error"}), completed(1.0, 0.05)],
+        "f": [("request.rejected", {"reason": "made_up"})],
+    }
+    ids = ["a", "b", "c", "d", "e", "f", "g"]  # g: nothing recorded
+    out = request_figures(ids, record, {"a": 2, "c": 1}, SLO_, wall_s=10.0)
+    assert (out["requests"], out["completed"], out["rejected"], out["failed"]) == (7, 4, 2, 0)
+    assert out["unended"] == 1 and out["preemptions"] == 3 and out["preempted_requests"] == 2
+    assert out["terminal_exactly_once"] is False and out["terminal_violations"] == ["e", "g"]
+    assert out["rejected_by_reason"] == {"ttft_slo": 1, "made_up": 1}
+    assert out["rejections_have_reasons"] is False
+    assert out["throughput_req_s"] == 0.4
+    assert out["goodput_req_s"] == 0.3  # a, c, e: b's TTFT is over
+
+
+def test_every_request_once_passes() -> None:
+    record: Record = {
+        "a": [completed(1.0, 0.5)],
+        "b": [("request.rejected", {"reason": "no_instance"})],
+    }
+    out = request_figures(["a", "b"], record, {}, SLO_, wall_s=4.0)
+    assert out["terminal_exactly_once"] and out["rejections_have_reasons"]
+    assert out["goodput_req_s"] == 0.0 and out["throughput_req_s"] == 0.25  # a's TBT is over
+
+
+def test_only_engine_roles_have_a_bound() -> None:
+    mib = memory.MIB
+    roles = role_figures(
+        {"prefill-0": 700 * mib, "decode-1": 900 * mib, "conductor-0": 5000 * mib},
+        weights_bytes=100 * mib,
+        kv_budget_bytes=200 * mib,
+    )
+    assert roles["prefill-0"] == {"peak_rss_mb": 700.0, "bound_mb": 900.0}
+    assert roles["conductor-0"]["bound_mb"] is None
+    parts = {"decode-1": {"anon": 600 * mib, "shmem": 256 * mib}}
+    with_parts = role_figures({"decode-1": 900 * mib}, 100 * mib, 200 * mib, parts)
+    assert with_parts["decode-1"]["peak_anon_mb"] == 600.0
+    assert with_parts["decode-1"]["peak_shmem_mb"] == 256.0
+    assert [within_bound(r) for r in roles.values()] == [True, True, True]
+    assert not within_bound({"peak_rss_mb": 900.1, "bound_mb": 900.0})
+
+
+def test_oom_kills_are_the_larger_of_sigkills_and_the_cgroup_count() -> None:
+    killed = Exit("decode-0", "decode", -signal.SIGKILL, 1.0)
+    crashed = Exit("prefill-0", "prefill", 1, 2.0)
+    assert oom_figures([killed, crashed], None)["oom_kills"] == 1
+    out = oom_figures([killed], 3)
+    assert out["oom_kills"] == 3 and out["oom_kills_source"] == "cgroup memory.events"
+    assert oom_figures([crashed], 0)["oom_kills"] == 0
+
+
+@dataclass
+class FakeWorker:
+    name: str
+    role: str
+    code: int | None
+
+    @property
+    def running(self) -> bool:
+        return self.code is None
+
+    @property
+    def proc(self) -> FakeWorker:
+        return self
+
+    @property
+    def returncode(self) -> int | None:
+        return self.code
+
+
+@dataclass
+class FakeStack:
+    workers: list[FakeWorker]
+    restarted: list[str] = field(default_factory=list)
+
+    def restart(self, w: FakeWorker) -> None:
+        self.workers.remove(w)
+        self.workers.append(FakeWorker(w.name, w.role, None))
+        self.restarted.append(w.name)
+
+
+def test_the_supervisor_restarts_what_exited_and_says_how() -> None:
+    stack = FakeStack(
+        [FakeWorker("decode-0", "decode", -9), FakeWorker("prefill-0", "prefill", None)]
+    )
+    exits = restart_exited(stack)  # type: ignore[arg-type]
+    assert [(e.name, e.returncode, e.killed) for e in exits] == [("decode-0", -9, True)]
+    assert stack.restarted == ["decode-0"] and all(w.running for w in stack.workers)
+    assert restart_exited(stack) == []  # type: ignore[arg-type]
+
+
+def test_tree_rss_counts_children() -> None:
+    code = "import time; b = b'x' * (64 << 20); print(flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        child.stdout.readline()  # the child holds its 64 MiB now
+        tree = memwatch.tree_rss({"me": os.getpid(), "gone": 2**22 + 7})
+        assert tree["me"] >= psutil.Process().memory_info().rss + (60 << 20)
+        assert "gone" not in tree
+        parts = memwatch.rss_parts(child.pid)
+        assert parts["anon"] >= 60 << 20 and set(parts) == {"anon", "file", "shmem"}
+        assert memwatch.rss_parts(2**22 + 7) == {}
+        pss = memwatch.pss_bytes(child.pid)
+        assert pss is not None and pss >= 60 << 20
+        assert memwatch.pss_bytes(2**22 + 7) is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_cgroup_oom_kills_reads_cgroup_v2_and_gives_up_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memwatch, "CGROUP_ROOT", tmp_path)
+    (tmp_path / "svc").mkdir()
+    (tmp_path / "svc" / "memory.events").write_text("low 0\nhigh 2\nmax 5\noom 3\noom_kill 2\n")
+    v2 = tmp_path / "cgroup"
+    v2.write_text("0::/svc\n")
+    assert memwatch.cgroup_oom_kills(v2) == 2
+    v1 = tmp_path / "cgroup-v1"
+    v1.write_text("4:memory:/svc\n1:cpu:/\n")
+    assert memwatch.cgroup_oom_kills(v1) is None
+    assert memwatch.cgroup_oom_kills(tmp_path / "missing") is None
