@@ -52,6 +52,9 @@ class NoHooks:
 NO_HOOKS = NoHooks()
 
 SMALL_ROWS = 16  # at most this many rows (decode batches): decode-specific fast paths
+# A prefill's MLP runs over at most this many rows at a time: for SmolLM2 a chunk's
+# activations are ~20 MiB where an 8k-token prompt's whole would be ~150 MiB.
+MLP_CHUNK_ROWS = 1024
 
 
 class RMSNorm(nn.Module):
@@ -256,9 +259,25 @@ class Block(nn.Module):
         out = backend(layer, q, k, v)
         b, _, s, _ = out.shape
         x = x + linear(out.transpose(1, 2).reshape(b, s, -1), self._weight("o"), self._packed["o"])
-        h = self.ffn_norm(x)
+        return x + self._mlp(self.ffn_norm(x)), k, v
+
+    def _mlp(self, h: Tensor) -> Tensor:
+        """SwiGLU; a long prefill's rows in chunks of MLP_CHUNK_ROWS (rows are independent),
+        so its [rows, 2 x ffn] activations do not grow with the prompt."""
+        rows = h.numel() // h.shape[-1]
+        if rows <= MLP_CHUNK_ROWS:
+            return self._mlp_rows(h)
+        flat = h.reshape(rows, h.shape[-1])
+        out = torch.empty_like(flat)
+        for start in range(0, rows, MLP_CHUNK_ROWS):
+            out[start : start + MLP_CHUNK_ROWS] = self._mlp_rows(
+                flat[start : start + MLP_CHUNK_ROWS]
+            )
+        return out.view_as(h)
+
+    def _mlp_rows(self, h: Tensor) -> Tensor:
         gate, up = linear(h, self._weight("gate_up"), self._packed["gate_up"]).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self._weight("down"), self._packed["down"]), k, v
+        return linear(F.silu(gate) * up, self._weight("down"), self._packed["down"])
 
     def _weight(self, name: str) -> Tensor:
         """The plain weight of one of the block's GEMMs (fused where several share an
