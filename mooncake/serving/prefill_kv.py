@@ -270,15 +270,35 @@ async def _ensure_stored(
     again = [t for t, present in zip(missing, exists, strict=True) if not present]
     if not again:
         return
-    items = [(t.key, block_object(kv, t.start, t.tokens)) for t in again]
-    refused = await store.put_many(items, preferred_segment=preferred_segment)
-    bad = [
-        f"{t.key}: {r.reason.value}"
-        for t, r in zip(again, refused, strict=True)
-        if r is not None and r.reason is not Reason.EXISTS
-    ]
+    bad: list[str] = []
+    for batch in _batches(again, kv.pool.shape.page_bytes // kv.pool.page_tokens):
+        # A batch's objects are serialized on their way out: bounded, not the whole prompt.
+        items = _objects(kv, batch)
+        refused = await store.put_many(items, preferred_segment=preferred_segment)
+        bad += [
+            f"{t.key}: {r.reason.value}"
+            for t, r in zip(batch, refused, strict=True)
+            if r is not None and r.reason is not Reason.EXISTS
+        ]
     if bad:
         raise KvWriteError(f"{len(bad)} KV objects could not be stored: {'; '.join(bad[:3])}")
+
+
+REPUT_BATCH_BYTES = 64 << 20
+
+
+def _batches(targets: Sequence[Target], bytes_per_token: int) -> list[list[Target]]:
+    """Targets in runs of at most REPUT_BATCH_BYTES of KV (at least one each)."""
+    out: list[list[Target]] = [[]]
+    size = 0
+    for t in targets:
+        n = t.tokens * bytes_per_token
+        if out[-1] and size + n > REPUT_BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return [b for b in out if b]
 
 
 async def replicate_blocks(
@@ -297,8 +317,20 @@ async def replicate_blocks(
     """
     if not keys:
         return 0
-    items = await asyncio.to_thread(
-        lambda: [(k, block_object(kv, j * block_tokens, block_tokens)) for k, j in keys]
-    )
-    refused = await store.put_many(items, preferred_segment=segment)
-    return sum(r is None for r in refused)
+    # Serialize only what the master would take (not the stored keys it refuses).
+    exists = await store.exists_many([k for k, _ in keys])
+    todo = [
+        Target(k, j * block_tokens, block_tokens)
+        for (k, j), e in zip(keys, exists, strict=True)
+        if not e
+    ]
+    placed = 0
+    for batch in _batches(todo, kv.pool.shape.page_bytes // kv.pool.page_tokens):
+        items = await asyncio.to_thread(_objects, kv, batch)
+        refused = await store.put_many(items, preferred_segment=segment)
+        placed += sum(r is None for r in refused)
+    return placed
+
+
+def _objects(kv: PagedKV, targets: Sequence[Target]) -> list[tuple[str, bytes]]:
+    return [(t.key, block_object(kv, t.start, t.tokens)) for t in targets]
