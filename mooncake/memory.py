@@ -9,9 +9,12 @@ each engine worker also holds its model's weights (twice on the CPU: the oneDNN-
 the GEMMs read), its store node's DRAM segment and the runtime, and the machine has other
 processes; clamped to [512 MiB, 64 GiB].
 
-Stated bound. A worker logs at start what it may come to hold: weights + KV budget + a fixed
-allowance for everything else (the runtime, its store node, transients), the figure
-`mooncake bench memory` holds its peak RSS to.
+Stated bound. A worker logs at start what it may come to hold: weights + KV budget + its store
+node's DRAM segment + a fixed allowance for everything else (the runtime, transients).
+`mooncake bench memory` reports every role's peak against it (and against issue 15's
+weights + KV + 600 MiB). RSS counts a shared page once in every process that maps it (the
+shm transport maps the peers' segments it copies from), so the check on this bound is on
+PSS, which counts each shared page as a share per process.
 
 Heap. glibc raises its mmap threshold each time a large block is freed, after which
 allocations up to 32 MiB come from the heap, whose freed memory is rarely returned: loading
@@ -34,9 +37,8 @@ MIB, GIB = 1 << 20, 1 << 30
 KV_SHARE_OF_MEMORY = 0.25
 MIN_DEFAULT_KV = 512 * MIB
 MAX_DEFAULT_KV = 64 * GIB
-# Beyond weights and KV: torch's runtime (~280 MiB resident here), the store node's DRAM
-# segment (256 MiB by default), Python, and a prefill's activations. What bench memory holds
-# a role to (weights + KV budget + this), as issue 15 sets it.
+# Beyond weights, KV and the store segment: torch's runtime (~280 MiB resident here, ~210 of
+# it its libraries), Python, and a prefill's activations (issue 15's figure).
 OTHER_ALLOWANCE = 600 * MIB
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 HEAP_MMAP_THRESHOLD = 1 * MIB
@@ -52,10 +54,11 @@ def machine_memory() -> int:
     return int(psutil.virtual_memory().total)
 
 
-def bound_bytes(weights_bytes: int, kv_budget_bytes: int) -> int:
-    """The most a prefill or decode worker may hold resident: weights, its KV pool, and the
-    allowance for everything else."""
-    return weights_bytes + kv_budget_bytes + OTHER_ALLOWANCE
+def bound_bytes(weights_bytes: int, kv_budget_bytes: int, store_segment_bytes: int = 0) -> int:
+    """The most a prefill or decode worker may hold resident: weights, its KV pool, the DRAM
+    segment its embedded store node pools (`store.dram_bytes`, shared memory its peers map
+    too), and the allowance for everything else."""
+    return weights_bytes + kv_budget_bytes + store_segment_bytes + OTHER_ALLOWANCE
 
 
 def _libc() -> ctypes.CDLL | None:

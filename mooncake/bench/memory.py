@@ -279,16 +279,20 @@ def role_figures(
     weights_bytes: int,
     kv_budget_bytes: int,
     parts: dict[str, dict[str, int]] | None = None,
+    segment_bytes: int = 0,
 ) -> dict[str, dict[str, float | None]]:
-    """Each role instance's peak RSS and bound (MiB); only engine roles have a bound. With
-    `parts`, the peak of each part of its RSS too (`peak_anon_mb`, ...)."""
+    """Each role instance's peak RSS and bounds (MiB); only engine roles have bounds: issue
+    15's (weights + KV budget + 600 MiB) and the one the worker states at start (its store
+    segment too). With `parts`, the peak of each part of its RSS (`peak_anon_mb`, ...)."""
     bound = memory.bound_bytes(weights_bytes, kv_budget_bytes) / memory.MIB
+    stated = memory.bound_bytes(weights_bytes, kv_budget_bytes, segment_bytes) / memory.MIB
     out: dict[str, dict[str, float | None]] = {}
     for name, peak in sorted(peaks.items()):
         engine = name.rsplit("-", 1)[0] in ENGINE_ROLES
         role: dict[str, float | None] = {
             "peak_rss_mb": round(peak / memory.MIB, 1),
             "bound_mb": round(bound, 1) if engine else None,
+            "stated_bound_mb": round(stated, 1) if engine else None,
         }
         for part, size in sorted((parts or {}).get(name, {}).items()):
             role[f"peak_{part}_mb"] = round(size / memory.MIB, 1)
@@ -296,9 +300,11 @@ def role_figures(
     return out
 
 
-def within_bound(role: dict[str, float | None], measure: str = "peak_rss_mb") -> bool:
-    """The role's peak (RSS, or `peak_pss_mb`) within its bound; True without a bound."""
-    peak, bound = role.get(measure), role["bound_mb"]
+def within_bound(
+    role: dict[str, float | None], measure: str = "peak_rss_mb", bound_key: str = "bound_mb"
+) -> bool:
+    """The role's peak (RSS, or `peak_pss_mb`) within a bound; True without one."""
+    peak, bound = role.get(measure), role.get(bound_key)
     return bound is None or (peak is not None and peak <= bound)
 
 
@@ -339,17 +345,24 @@ def _report(
     run: dict[str, Any],
 ) -> dict[str, Any]:
     """The JSON line: the options, the run's figures, roles against their bounds, checks."""
-    roles = role_figures(run.pop("peaks"), probe["weights_bytes"], budget, run.pop("parts"))
+    segment = int(settings.store.dram_bytes)
+    roles = role_figures(
+        run.pop("peaks"), probe["weights_bytes"], budget, run.pop("parts"), segment
+    )
     infra = {
         k: {"peak_rss_mb": round(v / memory.MIB, 1)} for k, v in run.pop("infra_peaks").items()
     }
     within = bool(roles) and all(within_bound(r) for r in roles.values())
     within_pss = bool(roles) and all(within_bound(r, "peak_pss_mb") for r in roles.values())
+    stated_pss = bool(roles) and all(
+        within_bound(r, "peak_pss_mb", "stated_bound_mb") for r in roles.values()
+    )
     decode = probe.get("decode")
     checks = {
         "no_failed": run["failed"] == 0,
         "no_oom_kills": run["oom_kills"] == 0,
         "within_bounds": within,
+        "within_stated_bounds_pss": stated_pss,
         "goodput_positive": run["goodput_req_s"] > 0,
         "terminal_exactly_once": run["terminal_exactly_once"],
         "rejections_have_reasons": run["rejections_have_reasons"],
@@ -366,6 +379,9 @@ def _report(
         "within_bounds": within,
         # The same with PSS: a shared page (the store's segments) as a share per mapper.
         "within_bounds_pss": within_pss,
+        # PSS against what each worker states at start (its store segment included).
+        "within_stated_bounds_pss": stated_pss,
+        "store_segment_mb": round(segment / memory.MIB, 1),
         "weights_mb": round(probe["weights_bytes"] / memory.MIB, 1),
         "paged_vs_contiguous_decode_b32": decode["ratio"] if decode else None,
         "decode_b32": decode,

@@ -53,7 +53,8 @@ def build_engine(settings: Settings) -> Engine:
         model_id=settings.model_id,
         kv_budget_bytes=kv_budget_bytes(settings),
     )
-    log.info("%s", memory_statement(engine))
+    # Prefill and decode workers embed a store node whose DRAM segment they hold too.
+    log.info("%s", memory_statement(engine, settings.store.dram_bytes))
     return engine
 
 
@@ -62,16 +63,16 @@ def weights_bytes(engine: Engine) -> int:
     return engine.model.weight_bytes()
 
 
-def memory_statement(engine: Engine) -> str:
+def memory_statement(engine: Engine, segment_bytes: int = 0) -> str:
     """The budget a worker states at start: what it holds and the bound it keeps to."""
     pool, mib = engine.pool, memory.MIB
     weights = weights_bytes(engine)
-    bound = memory.bound_bytes(weights, pool.budget_bytes)
+    bound = memory.bound_bytes(weights, pool.budget_bytes, segment_bytes)
     return (
         f"memory: weights {weights / mib:.0f} MiB + KV pool {pool.budget_bytes / mib:.0f} MiB "
         f"({pool.capacity_tokens:,} tokens in {pool.pages.total:,} pages of "
-        f"{pool.page_tokens}) + other {memory.OTHER_ALLOWANCE / mib:.0f} MiB = bound "
-        f"{bound / mib:.0f} MiB"
+        f"{pool.page_tokens}) + store segment {segment_bytes / mib:.0f} MiB + other "
+        f"{memory.OTHER_ALLOWANCE / mib:.0f} MiB = bound {bound / mib:.0f} MiB"
     )
 
 

@@ -66,7 +66,12 @@ def test_only_engine_roles_have_a_bound() -> None:
         weights_bytes=100 * mib,
         kv_budget_bytes=200 * mib,
     )
-    assert roles["prefill-0"] == {"peak_rss_mb": 700.0, "bound_mb": 900.0}
+    assert roles["prefill-0"] == {"peak_rss_mb": 700.0, "bound_mb": 900.0,
+                                  "stated_bound_mb": 900.0}  # fmt: skip
+    with_segment = role_figures({"decode-0": 1000 * mib}, 100 * mib, 200 * mib, None, 256 * mib)
+    assert with_segment["decode-0"]["stated_bound_mb"] == 1156.0  # its store segment too
+    assert not within_bound(with_segment["decode-0"])  # 1000 > 900: issue 15's formula
+    assert within_bound(with_segment["decode-0"], bound_key="stated_bound_mb")
     assert roles["conductor-0"]["bound_mb"] is None
     parts = {"decode-1": {"anon": 600 * mib, "shmem": 256 * mib}}
     with_parts = role_figures({"decode-1": 900 * mib}, 100 * mib, 200 * mib, parts)
