@@ -123,9 +123,18 @@ class Stack:
         env["MOONCAKE_ENGINE_WORKERS_PER_HOST"] = str(ENGINE_WORKERS)
         if self.settings.kv_cache_bytes is not None:
             env["MOONCAKE_KV_CACHE_BYTES"] = str(int(self.settings.kv_cache_bytes))
+        env.setdefault("MOONCAKE_STORE__DRAM_BYTES", str(self.store_bytes()))
         if self.gateway_port is not None:
             env["MOONCAKE_GATEWAY__PORT"] = str(self.gateway_port)
         return env
+
+    def store_bytes(self) -> int:
+        """Each engine worker's store segment: configured, or a share of this machine."""
+        from mooncake import memory
+
+        if "dram_bytes" in self.settings.store.model_fields_set:
+            return self.settings.store.dram_bytes
+        return memory.default_store_bytes(memory.machine_memory(), ENGINE_WORKERS)
 
     def kv_statement(self) -> str:
         """What each engine worker's KV pool gets, and why (printed at start)."""
@@ -140,7 +149,11 @@ class Stack:
                 f"{memory.KV_SHARE_OF_MEMORY:.0%} of {total / memory.GIB:.1f} GiB over "
                 f"{ENGINE_WORKERS} engine workers; set --kv-cache-bytes to change it"
             )
-        return f"KV cache per engine worker: {budget / memory.GIB:.2f} GiB ({why})"
+        store = self.store_bytes() / memory.GIB
+        return (
+            f"KV cache per engine worker: {budget / memory.GIB:.2f} GiB ({why}); "
+            f"store DRAM per engine worker: {store:.2f} GiB"
+        )
 
     @property
     def gateway_url(self) -> str | None:
