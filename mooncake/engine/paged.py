@@ -39,9 +39,9 @@ class PagedPrefill:
         last_only = q.shape[2] == 1  # the last position alone sees every key: no mask
         if not self.start:
             return attention(q, k, v, None, causal=not last_only or k.shape[2] == 1)
-        pk, pv = self.kv.read(layer, 0, self.start)
-        keys = torch.cat((pk.to(k.dtype), k[0]), dim=1)[None]
-        values = torch.cat((pv.to(v.dtype), v[0]), dim=1)[None]
+        # The new k, v are in their pages now: one gather of every position, no concatenation.
+        pk, pv = self.kv.read(layer, 0, self.start + k.shape[2])
+        keys, values = pk.to(k.dtype)[None], pv.to(v.dtype)[None]
         if last_only:
             return attention(q, keys, values, None, causal=False)
         return attention(q, keys, values, self.mask)
