@@ -50,14 +50,16 @@ def default_kv_cache_bytes(total_memory: int, engine_workers: int) -> int:
     return max(MIN_DEFAULT_KV, min(share, MAX_DEFAULT_KV))
 
 
-STORE_SHARE_OF_MEMORY = 0.125
+STORE_SHARE_OF_MEMORY = 1 / 16
 MIN_DEFAULT_STORE = 256 * MIB
 
 
 def default_store_bytes(total_memory: int, engine_workers: int) -> int:
     """The DRAM segment each engine worker's store node pools under `mooncake up` when none
-    is configured: an eighth of the machine over the engine workers (at least 256 MiB), so
-    the shared pool holds whole long prompts (an 8k-token SmolLM2 prompt's KV is 352 MiB)."""
+    is configured: a sixteenth of the machine over the engine workers (at least 256 MiB), so
+    a segment holds a whole long prompt (an 8k-token SmolLM2 prompt's KV is 352 MiB; on 24
+    GiB with 4 engine workers a segment is 376 MiB). It is pre-touched at start: idle, a
+    SmolLM2 worker holds its weights, the runtime and this (~1.3 GiB here)."""
     share = int(total_memory * STORE_SHARE_OF_MEMORY) // max(engine_workers, 1)
     return max(MIN_DEFAULT_STORE, min(share, MAX_DEFAULT_KV))
 
