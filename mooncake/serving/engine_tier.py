@@ -25,6 +25,7 @@ from nats.aio.subscription import Subscription
 from mooncake.engine.pages import PageAllocator
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
+from mooncake.store.kv_follow import answer_snapshot, batch_bytes
 from mooncake.store.kv_index import KvEventLog
 
 log = logging.getLogger("mooncake.engine_tier")
@@ -67,21 +68,10 @@ class EngineTier:
         if not stored and not removed:
             return False
         batch = self.log.record(stored, removed)
-        wire = p.KvEvents(
-            node_id=self.instance, seq=batch.seq, epoch=batch.epoch,
-            stored=list(batch.stored), removed=list(batch.removed),
-        )  # fmt: skip
+        subject = self.subjects.engine_kv_events(self.instance)
         with contextlib.suppress(Exception):  # a lost batch is a gap: the snapshot heals it
-            await self.nc.publish(
-                self.subjects.engine_kv_events(self.instance), wire.model_dump_json().encode()
-            )
+            await self.nc.publish(subject, batch_bytes(batch))
         return True
 
     async def _on_snapshot(self, msg: Msg) -> None:
-        snap = self.log.snapshot()
-        wire = p.KvSnapshotWire(
-            node_id=snap.node_id, seq=snap.seq, epoch=snap.epoch, keys=list(snap.keys)
-        )
-        if msg.reply:
-            with contextlib.suppress(Exception):
-                await msg.respond(wire.model_dump_json().encode())
+        await answer_snapshot(self.log, msg)

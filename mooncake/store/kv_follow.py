@@ -17,7 +17,13 @@ from nats.aio.subscription import Subscription
 
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
-from mooncake.store.kv_index import KvEventBatch, KvIndexFollower, KvSnapshot, NeedSnapshot
+from mooncake.store.kv_index import (
+    KvEventBatch,
+    KvEventLog,
+    KvIndexFollower,
+    KvSnapshot,
+    NeedSnapshot,
+)
 
 log = logging.getLogger("mooncake.store.kv_follow")
 
@@ -92,3 +98,26 @@ class KvIndexSubscriber:
             log.warning("no usable snapshot from %s: its blocks stay out of the index", node_id)
         finally:
             self._fetching.discard(node_id)
+
+
+# --- the producer side's wire form (store nodes, engine tiers) ------------------------------
+
+
+def batch_bytes(batch: KvEventBatch) -> bytes:
+    """A producer's KV event batch as `KvIndexSubscriber` reads it."""
+    wire = p.KvEvents(
+        node_id=batch.node_id, seq=batch.seq, epoch=batch.epoch,
+        stored=list(batch.stored), removed=list(batch.removed),
+    )  # fmt: skip
+    return wire.model_dump_json().encode()
+
+
+async def answer_snapshot(log: KvEventLog, msg: Msg) -> None:
+    """Reply to a follower's snapshot request with the producer's whole key set."""
+    snap = log.snapshot()
+    wire = p.KvSnapshotWire(
+        node_id=snap.node_id, seq=snap.seq, epoch=snap.epoch, keys=sorted(snap.keys)
+    )
+    if msg.reply:
+        with contextlib.suppress(Exception):
+            await msg.respond(wire.model_dump_json().encode())

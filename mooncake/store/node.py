@@ -28,6 +28,7 @@ from mooncake import metrics
 from mooncake.aio import cancel_all
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
+from mooncake.store.kv_follow import answer_snapshot, batch_bytes
 from mooncake.store.kv_index import KvEventLog
 from mooncake.store.segment import Segment, sweep_stale
 from mooncake.store.transfer.base import (
@@ -282,27 +283,12 @@ class StoreNode:
         if not stored and not removed:
             return
         batch = self.kv_log.record(stored, removed)
-        wire = p.KvEvents(
-            node_id=batch.node_id,
-            seq=batch.seq,
-            epoch=batch.epoch,
-            stored=list(batch.stored),
-            removed=list(batch.removed),
-        )
         self.stats.kv_batches += 1
         with contextlib.suppress(Exception):
-            await self.nc.publish(
-                self.subjects.kv_events(self.config.node_id), wire.model_dump_json().encode()
-            )
+            await self.nc.publish(self.subjects.kv_events(self.config.node_id), batch_bytes(batch))
 
     async def _on_snapshot(self, msg: Msg) -> None:
-        snap = self.kv_log.snapshot()
-        wire = p.KvSnapshotWire(
-            node_id=snap.node_id, seq=snap.seq, epoch=snap.epoch, keys=sorted(snap.keys)
-        )
-        if msg.reply:
-            with contextlib.suppress(Exception):
-                await msg.respond(wire.model_dump_json().encode())
+        await answer_snapshot(self.kv_log, msg)
 
     # --- moves between own segments (SSD offload on eviction, promotion on hit) -----------
 
