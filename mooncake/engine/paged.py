@@ -22,17 +22,16 @@ from mooncake.engine import native
 from mooncake.engine.model import attention
 from mooncake.engine.pool import KVPool, PagedKV
 
+# A prefill over a cached prefix attends in runs of this many query rows: the kernel makes a
+# float mask of [rows, keys] out of the boolean one, so an 8k-token prompt in one run held a
+# 256 MiB mask (and its 64 MiB boolean source) in every layer.
+PREFIX_QUERY_ROWS = 1024
+
 
 class PagedPrefill:
     def __init__(self, kv: PagedKV, start: int, new: int) -> None:
         self.kv, self.pool, self.start = kv, kv.pool, start
         self.page, self.offset = self.pool.locate(kv.table(), start, start + new)
-        self.mask: Tensor | None = None
-        if start:
-            dev = self.pool.device
-            rows = torch.arange(start, start + new, device=dev)[:, None]
-            cols = torch.arange(start + new, device=dev)[None, :]
-            self.mask = (cols <= rows)[None, None]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.pool.write(layer, self.page, self.offset, k[0].transpose(0, 1), v[0].transpose(0, 1))
@@ -44,7 +43,25 @@ class PagedPrefill:
         keys, values = pk.to(k.dtype)[None], pv.to(v.dtype)[None]
         if last_only:
             return attention(q, keys, values, None, causal=False)
-        return attention(q, keys, values, self.mask)
+        return self._over_prefix(q, keys, values)
+
+    def _over_prefix(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """The new tokens' attention over the cached positions and themselves, in runs of
+        PREFIX_QUERY_ROWS query rows: run [a, b) sees keys 0 .. start+b-1, every one but the
+        last b-a by all of its rows (the mask is causal only there)."""
+        rows = q.shape[2]
+        out = q.new_empty(q.shape) if rows > PREFIX_QUERY_ROWS else None
+        for a in range(0, rows, PREFIX_QUERY_ROWS):
+            b = min(a + PREFIX_QUERY_ROWS, rows)
+            seen = self.start + b
+            mask = torch.ones((b - a, seen), dtype=torch.bool, device=q.device)
+            mask[:, self.start + a :].tril_()
+            part = attention(q[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], mask[None, None])
+            if out is None:
+                return part
+            out[:, :, a:b] = part
+        assert out is not None
+        return out
 
 
 class PagedDecode:

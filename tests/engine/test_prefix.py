@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from mooncake.engine import (
@@ -17,6 +18,7 @@ from mooncake.engine import (
     SamplingParams,
     block_from_bytes,
     block_to_bytes,
+    paged,
 )
 from mooncake.engine.engine import Prefilled
 
@@ -58,6 +60,24 @@ def test_prefill_from_cached_blocks_matches_full(
     assert continue_greedy(engine, engine.prefill(tokens, prefix=prefix)) == continue_greedy(
         engine, again
     )
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_prefix_prefill_in_query_runs_matches_one_run(
+    engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    """The attention over a cached prefix, in runs of `rows` query rows (the last one
+    shorter), gives what the full prefill gives: every run sees the whole prefix, the runs
+    before it, and itself causally."""
+    tokens = chat(PROMPT)
+    full = engine.prefill(tokens, all_logits=True)
+    blocks = engine.blocks(full.kv)
+    monkeypatch.setattr(paged, "PREFIX_QUERY_ROWS", rows)
+    prefix = engine.prefix_from_blocks(blocks[:2])
+    part = engine.prefill(tokens, prefix=prefix, all_logits=True)
+    assert part.logits.shape[0] == len(tokens) - 2 * engine.block_tokens > rows
+    diff = (part.logits - full.logits[part.cached_tokens :]).abs().max().item()
+    assert diff < ATOL, diff
 
 
 def test_hooks_run_around_every_layer_with_new_kv(
