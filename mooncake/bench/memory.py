@@ -345,7 +345,7 @@ def _report(
     run: dict[str, Any],
 ) -> dict[str, Any]:
     """The JSON line: the options, the run's figures, roles against their bounds, checks."""
-    segment = int(settings.store.dram_bytes)
+    segment = Stack(settings).store_bytes()  # what `up` gives each engine worker's node
     roles = role_figures(
         run.pop("peaks"), probe["weights_bytes"], budget, run.pop("parts"), segment
     )
