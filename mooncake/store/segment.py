@@ -37,6 +37,10 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 # without closing its segments does not leave /dev/shm full (SIGKILL cannot be covered).
 _live_files: set[Path] = set()
 _live_lock = threading.Lock()
+# This process's own DRAM segments by backing file: the shm transport copies through the
+# segment's mapping instead of mapping the file a second time (every page of a second
+# mapping is counted again in the process's RSS, and its page tables are a second copy).
+_own_mappings: dict[Path, mmap.mmap] = {}
 
 
 @atexit.register
@@ -130,6 +134,8 @@ class Segment:
         path = Path(shm_dir) / file_name(segment_id)
         mm = _create_mapping(path, size)
         _pretouch(mm, size)
+        with _live_lock:
+            _own_mappings[path] = mm
         return cls(SegmentInfo(segment_id, node_id, Tier.DRAM, size), path, mm)
 
     @classmethod
@@ -154,6 +160,8 @@ class Segment:
         if self._closed:
             return
         self._closed = True
+        with _live_lock:
+            _own_mappings.pop(self.path, None)
         self.buf.release()
         try:
             self._mmap.close()
@@ -174,6 +182,12 @@ class Segment:
     def __repr__(self) -> str:
         i = self.info
         return f"Segment({i.segment_id!r}, node={i.node_id!r}, {i.tier}, {i.size} B, {self.path})"
+
+
+def own_mapping(path: Path) -> mmap.mmap | None:
+    """The mapping of this process's own open DRAM segment backed by `path`, if it is one."""
+    with _live_lock:
+        return _own_mappings.get(path)
 
 
 def _create_mapping(path: Path, size: int) -> mmap.mmap:

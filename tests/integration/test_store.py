@@ -148,6 +148,30 @@ async def test_batches_and_zero_copy_buffers(cluster: Cluster) -> None:
         await client.get_into("np", bytearray(10))
 
 
+def _mappings_of(path: Path) -> int:
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        return sum(line.rstrip().endswith(str(path)) for line in f)
+
+
+async def test_shm_copies_through_the_own_process_segment_mapping(cluster: Cluster) -> None:
+    """A client in the process that holds a node (a worker's embedded store node) copies
+    through the node's own mapping of its segment: the file is mapped once, not twice."""
+    node = await cluster.add_node("n1", transports=("shm", "tcp"))
+    client = cluster.client(("shm",))
+    data = blob(3 * MiB, 11)
+    assert await client.put("own", data) is None
+    got = await client.get("own")
+    assert got is not None and bytes(got) == data
+    (segment,) = node.segments
+    assert _mappings_of(segment.path) == 1
+    await client.close()
+    cluster.clients.remove(client)
+    # The client's close leaves the node's mapping alone: the node still serves it.
+    other = cluster.client(("shm",))
+    got = await other.get("own")
+    assert got is not None and bytes(got) == data
+
+
 async def test_readers_never_see_a_pending_put(cluster: Cluster) -> None:
     await cluster.add_node("n1")
     client = cluster.client(("tcp",))
