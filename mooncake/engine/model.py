@@ -52,9 +52,11 @@ class NoHooks:
 NO_HOOKS = NoHooks()
 
 SMALL_ROWS = 16  # at most this many rows (decode batches): decode-specific fast paths
-# A prefill's MLP runs over at most this many rows at a time: for SmolLM2 a chunk's
-# activations are ~20 MiB where an 8k-token prompt's whole would be ~150 MiB.
-MLP_CHUNK_ROWS = 1024
+# A long prefill runs every row-wise part of a layer (norms, projections, RoPE, the MLP) over
+# at most this many positions at a time; only attention sees them all. For SmolLM2 a chunk's
+# temporaries are a few MiB, where a 7.5k-token prompt's whole took ~210 MiB at once
+# (measured with memray: the fused qkv twice, a dozen hidden-sized temporaries).
+ROW_CHUNK = 1024
 
 
 class RMSNorm(nn.Module):
@@ -244,7 +246,10 @@ class Block(nn.Module):
         """Returns the new hidden state and this layer's new k, v. With `last_only` (the
         last layer, when only the last position's logits are wanted) k and v are computed
         for every position but the rest of the layer only for the last one: the backend
-        then gets q of one position, the last, which attends to every key."""
+        then gets q of one position, the last, which attends to every key. More than
+        ROW_CHUNK positions go through `_chunked` (same math, bounded temporaries)."""
+        if x.shape[1] > ROW_CHUNK:
+            return self._chunked(x, cos, sin, layer, backend, last_only)
         h = self.attn_norm(x)
         qkv = linear(h, self._weight("qkv"), self._packed["qkv"])
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -261,18 +266,55 @@ class Block(nn.Module):
         x = x + linear(out.transpose(1, 2).reshape(b, s, -1), self._weight("o"), self._packed["o"])
         return x + self._mlp(self.ffn_norm(x)), k, v
 
+    def _chunked(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        layer: int,
+        backend: AttentionBackend,
+        last_only: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward` for a long prefill: the row-wise parts run ROW_CHUNK positions at a time
+        into preallocated q, k, v and output, so what a layer holds at once is those and the
+        attention output, not a dozen hidden-sized temporaries of the whole prompt."""
+        b, s, _ = x.shape
+        hd, nq, nkv = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        s_q = 1 if last_only else s
+        q = x.new_empty(b, self.heads, s_q, hd)
+        k, v = x.new_empty(b, self.kv_heads, s, hd), x.new_empty(b, self.kv_heads, s, hd)
+        for a in range(0, s, ROW_CHUNK):
+            z = min(a + ROW_CHUNK, s)
+            qkv = linear(self.attn_norm(x[:, a:z]), self._weight("qkv"), self._packed["qkv"])
+            c, sn = cos[:, :, a:z], sin[:, :, a:z]
+            k[:, :, a:z] = apply_rope(self._split(qkv[..., nq : nq + nkv], self.kv_heads), c, sn)
+            v[:, :, a:z] = self._split(qkv[..., nq + nkv :], self.kv_heads)
+            if not last_only:
+                q[:, :, a:z] = apply_rope(self._split(qkv[..., :nq], self.heads), c, sn)
+            elif z == s:
+                q[:] = apply_rope(self._split(qkv[:, -1:, :nq], self.heads), c[:, :, -1:],
+                                  sn[:, :, -1:])  # fmt: skip
+        attended = backend(layer, q, k, v).transpose(1, 2)  # [b, s_q, heads, hd]
+        del q
+        rest = x[:, -1:] if last_only else x
+        out = torch.empty_like(rest)
+        for a in range(0, s_q, ROW_CHUNK):
+            z = min(a + ROW_CHUNK, s_q)
+            o = attended[:, a:z].reshape(b, z - a, nq)
+            h = rest[:, a:z] + linear(o, self._weight("o"), self._packed["o"])
+            out[:, a:z] = h + self._mlp_rows(self.ffn_norm(h))
+        return out, k, v
+
     def _mlp(self, h: Tensor) -> Tensor:
-        """SwiGLU; a long prefill's rows in chunks of MLP_CHUNK_ROWS (rows are independent),
-        so its [rows, 2 x ffn] activations do not grow with the prompt."""
+        """SwiGLU; a long prefill's rows in chunks of ROW_CHUNK (rows are independent), so its
+        [rows, 2 x ffn] activations do not grow with the prompt."""
         rows = h.numel() // h.shape[-1]
-        if rows <= MLP_CHUNK_ROWS:
+        if rows <= ROW_CHUNK:
             return self._mlp_rows(h)
         flat = h.reshape(rows, h.shape[-1])
         out = torch.empty_like(flat)
-        for start in range(0, rows, MLP_CHUNK_ROWS):
-            out[start : start + MLP_CHUNK_ROWS] = self._mlp_rows(
-                flat[start : start + MLP_CHUNK_ROWS]
-            )
+        for start in range(0, rows, ROW_CHUNK):
+            out[start : start + ROW_CHUNK] = self._mlp_rows(flat[start : start + ROW_CHUNK])
         return out.view_as(h)
 
     def _mlp_rows(self, h: Tensor) -> Tensor:
@@ -380,6 +422,7 @@ class Decoder(nn.Module):
             hooks.before_layer(i)
             x, k, v = block(x, cos, sin, i, backend, last_only and i == last)
             hooks.after_layer(i, k, v)
+            del k, v  # not held while the next layer computes its own
         if last_only:
             x = x[:, -1]
         x = self.norm(x)

@@ -4,6 +4,7 @@ paged KV gives each sequence the tokens it gets alone whoever joins and leaves."
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -50,3 +51,32 @@ def test_paged_batch_joins_leaves_and_page_crossings_match_alone() -> None:
         done.update((c.id, c.tokens) for c in batch.step())
     assert [done[str(i)] for i in range(4)] == alone
     assert engine.pool.pages.used == 0  # every page back: nothing kept a private copy
+
+
+def test_long_prefill_in_row_chunks_matches_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill longer than ROW_CHUNK runs its row-wise parts chunk by chunk: logits (last
+    position, every position) and the KV it stores equal those of one pass over all rows,
+    from scratch and over a cached prefix, and for a chunk that does not divide the prompt."""
+    from mooncake.engine import model as model_mod
+
+    engine = Engine(dummy_model(SPEC, std=0.3), block_tokens=16)
+    g = torch.Generator().manual_seed(9)
+    tokens = [int(t) for t in torch.randint(0, 50, (101,), generator=g)]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        last = engine.prefill(tokens)
+        every = engine.prefill(tokens, all_logits=True)
+        prefix = engine.prefix_from_blocks(engine.blocks(every.kv)[:2])
+        over = engine.prefill(tokens, prefix=prefix, all_logits=True)
+        kv = every.kv.piece(0, len(tokens))
+        for p in (last, every, over):
+            p.kv.release()
+        return last.logits, every.logits, over.logits, kv
+
+    one_pass = run()  # 101 positions <= ROW_CHUNK: the plain path
+    monkeypatch.setattr(model_mod, "ROW_CHUNK", 7)
+    chunked = run()
+    for a, b in zip(one_pass, chunked, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert engine.pool.pages.used == 0
