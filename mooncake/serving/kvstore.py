@@ -20,6 +20,7 @@ pages in the engine's pool (`engine.pool`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -39,6 +40,20 @@ log = logging.getLogger("mooncake.serving.kvstore")
 # the prefix (and recomputes it): far above any sane transfer, below the leases' lifetime.
 LOAD_WAIT_S = 30.0
 POLL_S = 0.05  # the compute thread's waits wake this often to notice a cancellation
+# A prefix loader stages at most this many bytes of layers the compute has not taken yet
+# (and at least two layers: one being read while the compute takes the other).
+READ_AHEAD_BYTES = 64 << 20
+MIN_READ_AHEAD_LAYERS = 2
+
+
+def read_ahead_layers(blocks: int, layer_bytes: int, layers: int) -> int:
+    """How many layers of `blocks` cached blocks (`layer_bytes` each per block) a prefix
+    loader may stage at once: READ_AHEAD_BYTES worth, at least MIN_READ_AHEAD_LAYERS, at
+    most all of them. A deep window hides the per-layer round trip (read, hand-over to the
+    compute thread) when layers compute quickly (a prompt mostly cached)."""
+    fit = READ_AHEAD_BYTES // max(blocks * layer_bytes, 1)
+    return max(MIN_READ_AHEAD_LAYERS, min(layers, fit))
+
 
 # Where a prompt token's KV came from (the tiers of the cache hit rate, and the miss):
 # the engine's own pool, this node's DRAM, another node's DRAM, SSD, or nowhere.
@@ -144,7 +159,10 @@ class PrefixLoader:
     `keys` are blocks `first`, `first + 1`, ... of the prompt. `run` (event loop) reads the
     layers in order, each as one batched read of that layer's range of every block; `wait(i)`
     (compute thread, from `before_layer`) blocks until layer i has arrived and copies it into
-    the blocks' pages. Layer i+1's read is in flight while layer i runs.
+    the blocks' pages. Later layers' reads are in flight while layer i runs, and reads stay
+    `read_ahead_layers` ahead of the compute (64 MiB of staging): reads are far faster than
+    layers, so unbounded they staged the whole cached prefix at once (an 8k-token prefix of
+    SmolLM2 is ~350 MiB of staging on top of its pages).
     """
 
     def __init__(
@@ -164,10 +182,17 @@ class PrefixLoader:
         self._staged: list[Tensor | None] = [None] * layout.layers
         self.error: str | None = None
         self.loaded_at: list[float] = [0.0] * layout.layers  # monotonic, for tests and spans
+        self._window: asyncio.Semaphore | None = None  # layers staged and not yet consumed
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self) -> None:
+        ahead = read_ahead_layers(
+            len(self.keys), self._layout.layer_bytes(self._tokens), self._layout.layers
+        )
+        self._loop, self._window = asyncio.get_running_loop(), asyncio.Semaphore(ahead)
         try:
             for layer in range(self._layout.layers):
+                await self._window.acquire()  # given back as the compute consumes a layer
                 if not await self._read_layer(layer):
                     return
         except Exception as exc:  # any failure: the prefill recomputes instead
@@ -214,7 +239,17 @@ class PrefixLoader:
                 raise PrefillCancelled("cancelled while loading the prefix")
             if time.monotonic() > deadline:
                 raise PrefixLoadError(f"layer {layer} of the prefix did not arrive in time")
-        self._put(layer)
+        try:
+            self._put(layer)
+        finally:
+            self._consumed()
+
+    def _consumed(self) -> None:
+        """Compute thread: a staged layer is gone, `run` may read one more."""
+        loop, window = self._loop, self._window
+        if loop is not None and window is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing reads on
+                loop.call_soon_threadsafe(window.release)
 
     def _put(self, layer: int) -> None:
         staged, self._staged[layer] = self._staged[layer], None

@@ -97,3 +97,69 @@ def test_leading_hits_stop_at_the_first_miss_or_wrong_size() -> None:
     assert leading_hits([10, 9, 10], 10) == 1
     assert leading_hits([], 10) == 0
     assert leading_hits([10, 10], 10) == 2
+
+
+class _InstantStore:
+    """A GetHandle whose reads land at once: the fill the loader sees is a block's header at
+    offset 0 and a marker byte (the layer's number) everywhere else."""
+
+    def __init__(self, layout: BlockLayout, tokens: int) -> None:
+        self.layout, self.tokens = layout, tokens
+
+    async def read(self, parts: list[tuple[str, int, object]]) -> list[bool]:
+        for _key, offset, buf in parts:
+            if offset == 0:
+                memoryview(buf)[:] = self.layout.header(self.tokens)  # type: ignore[arg-type]
+            else:
+                layer = [self.layout.layer_range(i, self.tokens)[0] for i in range(SPEC.layers)]
+                buf[:] = layer.index(offset) + 1  # type: ignore[index]
+        return [True] * len(parts)
+
+
+async def test_prefix_loader_reads_at_most_two_layers_ahead_of_the_compute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reads are much faster than layers: the loader must stage no more than
+    `read_ahead_layers` layers that the compute has not taken yet (it staged the whole prefix),
+    and every layer still lands in the pages."""
+    import asyncio
+    import threading
+
+    from mooncake.serving import kvstore
+    from mooncake.serving.kvstore import PrefixLoader
+
+    # 64 MiB would hold every layer of this tiny model: a window of two, as for a long prefix.
+    monkeypatch.setattr(kvstore, "READ_AHEAD_BYTES", 1)
+
+    layout = BlockLayout(SPEC.layers, SPEC.kv_heads, SPEC.head_dim, torch.float32)
+    pool = KVPool(SPEC, torch.float32, torch.device("cpu"), budget_bytes=1 << 20, page_tokens=4)
+    kv = pool.sequence()
+    assert kv.reserve(16)
+    keys = ["a", "b"]  # two blocks of 8 tokens
+    loader = PrefixLoader(_InstantStore(layout, 8), keys, layout, 8, kv)  # type: ignore[arg-type]
+    staged_most = 0
+
+    def compute() -> None:
+        nonlocal staged_most
+        for layer in range(SPEC.layers):
+            threading.Event().wait(0.05)  # a layer's compute: the reads could run far ahead
+            staged_most = max(staged_most, sum(s is not None for s in loader._staged))
+            loader.wait(layer, lambda: False)
+
+    task = asyncio.create_task(loader.run())
+    await asyncio.to_thread(compute)
+    await task
+    assert loader.error is None
+    assert 1 <= staged_most <= kvstore.MIN_READ_AHEAD_LAYERS
+    kv.length = 16
+    for layer in range(SPEC.layers):
+        assert bool((kv.layer_piece(layer, 0, 16).view(torch.uint8) == layer + 1).all())
+
+
+def test_read_ahead_is_64_mib_of_layers_within_two_and_all() -> None:
+    from mooncake.serving.kvstore import read_ahead_layers
+
+    layer = 256 * 2 * 3 * 64 * 4  # a SmolLM2 block's layer: 256 tokens, K and V, 3 x 64 fp32
+    assert read_ahead_layers(32, layer, 30) == 5  # an 8k-token prefix: 12 MiB a layer
+    assert read_ahead_layers(2, layer, 30) == 30  # a short one: all of it
+    assert read_ahead_layers(1000, layer, 30) == 2  # never fewer than two
