@@ -36,7 +36,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from mooncake import metrics
-from mooncake.bus.publish import MSG_ID, Publisher, bus_tracer
+from mooncake.bus.publish import MSG_ID, TRANSIENT, Publisher, bus_tracer
 from mooncake.config import BusSettings
 from mooncake.events import Namespace
 from mooncake.telemetry import extract_context
@@ -152,6 +152,11 @@ def per_message(handler: Handler, name: str) -> BatchHandler:
             with trace.use_span(span, end_on_exit=True):
                 try:
                     outcomes.append(await handler(d))
+                except TRANSIENT as exc:  # the broker restarting: expected, no traceback
+                    log.warning("%s: bus unavailable on %s seq %d (%s: %s); will retry",
+                                name, d.subject, d.stream_seq, type(exc).__name__, exc)  # fmt: skip
+                    span.record_exception(exc)
+                    outcomes.append(Retry(f"{type(exc).__name__}: {exc}"[:500]))
                 except Exception as exc:  # any failure is a retry, never a dead consumer
                     log.exception("%s: handler failed on %s seq %d", name, d.subject, d.stream_seq)
                     span.record_exception(exc)
@@ -174,13 +179,19 @@ class PullConsumer:
         *,
         batch: int | None = None,
         expires_s: float = 5.0,
+        prefetch: bool = True,
     ) -> None:
+        """`prefetch`: ask for the next batch while one is being handled (the default: no
+        idle round trip between batches). Off for handlers that run longer than the ack wait
+        (a prefill): a message waiting here unhandled would pass its ack deadline, be
+        delivered again and again, and end dead-lettered while still queued."""
         self._nc = nc
         self._js = js
         self.spec = spec.within(ns)
         self._ns = ns
         self._bus = bus
         self._batch = batch or bus.fetch_batch
+        self._window = self._batch * (2 if prefetch else 1)  # messages asked for at most
         self._expires_s = expires_s
         # Deliveries from the inbox subscription, and the run loop's wait for the next one.
         self._queue: deque[Msg] = deque()
@@ -233,7 +244,7 @@ class PullConsumer:
 
     async def _request_more(self) -> None:
         self._expire_requests()
-        want = self._batch * 2 - self._outstanding
+        want = self._window - self._outstanding
         if want < self._batch and self._outstanding > 0:
             return
         await self._request(want)

@@ -19,6 +19,7 @@ from mooncake.bus.consume import (
     Retry,
     per_message,
 )
+from mooncake.bus.heartbeat import keep_alive
 from mooncake.bus.publish import Publisher
 from mooncake.config import BusSettings, Settings
 
@@ -176,3 +177,49 @@ async def test_retry_then_dead_letter_and_good_messages_flow(settings: Settings)
     assert seen["poison"] == bus.max_deliver  # tried exactly max_deliver times
     assert seen["flaky"] == 2
     assert seen["ok"] == 1
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+async def test_without_prefetch_a_long_handler_gets_each_message_once(
+    settings: Settings, prefetch: bool
+) -> None:
+    """Handlers that outlast the ack wait (a prefill, which keeps its own message alive) take
+    one message at a time and nothing waits for them unhandled: each message is delivered
+    once. With prefetch, the message that waited behind a long handler passed its ack
+    deadline and came again."""
+    ns = ev.Namespace(settings.namespace)
+    bus = BusSettings(ack_wait_s=1.0)
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js, settings)
+    deliveries: list[tuple[str, int]] = []
+    done = asyncio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        e = ev.parse_event(d.data)
+        assert isinstance(e, ev.RequestSubmitted)
+        deliveries.append((e.request_id, d.num_delivered))
+        async with keep_alive(d, 0.3):  # as a prefill does while it computes
+            await asyncio.sleep(2.5)  # past the ack wait
+        if e.request_id == "third":
+            done.set()
+        return ACK
+
+    stop = asyncio.Event()
+    spec = ConsumerSpec("MC_REQ", f"long-{prefetch}", "mc.req.submitted")
+    consumer = PullConsumer(nc, js, spec, bus, ns, batch=1, prefetch=prefetch)
+    task = asyncio.create_task(consumer.run(per_message(handler, "long"), stop))
+    try:
+        pub = Publisher(nc, js, ns)
+        for rid in ("first", "second", "third"):
+            await pub.publish(ev.RequestSubmitted(request_id=rid, prompt="x"))
+        await asyncio.wait_for(done.wait(), 30)
+        redelivered = [rid for rid, n in deliveries if n > 1]
+        if prefetch:
+            assert redelivered  # the failure prefetch=False exists for
+        else:
+            assert deliveries == [("first", 1), ("second", 1), ("third", 1)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await nc.close()
