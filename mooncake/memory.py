@@ -94,7 +94,10 @@ def keep_heap_small() -> bool:
 
 
 def release_free_heap() -> None:
-    """Give the heap's free memory back to the OS (after a model load)."""
+    """Give the free memory of every malloc arena back to the OS (after a model load, after
+    each prefill): glibc keeps freed chunks under the mmap threshold resident, and a prefill
+    frees hundreds of MiB of them (layer pieces on their way to the store, the engine's
+    temporaries) in the arenas of the threads that allocated them."""
     lib = _libc()
     if lib is not None:
         lib.malloc_trim(0)

@@ -39,7 +39,7 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from mooncake import events as ev
-from mooncake import metrics
+from mooncake import memory, metrics
 from mooncake.aio import cancel_all
 from mooncake.bus import terminal
 from mooncake.bus.consume import (
@@ -122,9 +122,11 @@ class PrefillWorker:
         self._ctx, self.engine, self.store, self._terminal = ctx, engine, store, terminal_kv
         self.ender = Ender(ctx.nc, ctx.publisher, terminal_kv)
         self.subjects = WorkSubjects(ctx.ns)
+        # One prefill at a time and nothing waiting here: a prefill outlasts the ack wait.
         self.consumer = PullConsumer(
-            ctx.nc, ctx.js, consumer_spec(ctx.instance_id), ctx.settings.bus, ctx.ns, batch=1
-        )
+            ctx.nc, ctx.js, consumer_spec(ctx.instance_id), ctx.settings.bus, ctx.ns, batch=1,
+            prefetch=False,
+        )  # fmt: skip
         self.running: Running | None = None
         self._done: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
@@ -233,6 +235,8 @@ class PrefillWorker:
         finally:
             if not self._replicating(done):
                 done.release()  # its whole blocks stay cached in the pool (the engine tier)
+            # After the hand-over (not on the way to the first token): what the prefill freed.
+            await asyncio.to_thread(memory.release_free_heap)
 
     def _deadline_timer(self, work: PrefillWork, running: Running) -> asyncio.TimerHandle | None:
         deadline = work.timing.deadline_at
