@@ -45,9 +45,9 @@ def profile_engine_cmd(
 
     import torch
 
-    from mooncake.engine import Engine, EngineError, ModelSpec, dummy_model
+    from mooncake.engine import Engine, EngineError, KVPoolExhausted, ModelSpec, dummy_model
     from mooncake.engine.gguf_loader import load_gguf, smollm2_path
-    from mooncake.engine.profile import profile_engine
+    from mooncake.engine.profile import pool_tokens_for, profile_engine
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -59,18 +59,20 @@ def profile_engine_cmd(
         else:
             loaded = load_gguf(smollm2_path(), device=device)
             model, tokenizer, name = loaded.model, loaded.tokenizer, loaded.name
-        engine = Engine(model, tokenizer, block_tokens=block_tokens)
-        doc = profile_engine(
-            engine,
-            model_name=name,
-            prompts=_int_list(prompts),
-            cached=_int_list(cached),
-            batches=_int_list(batches),
-            contexts=_int_list(contexts),
-            reps=reps,
-            log=err.print,
+        grid = {k: _int_list(v) for k, v in
+                (("prompts", prompts), ("cached", cached), ("batches", batches),
+                 ("contexts", contexts))}  # fmt: skip
+        # A KV pool that holds the largest point of the grids (batch x context) at once.
+        tokens = pool_tokens_for(grid["prompts"], grid["batches"], grid["contexts"],
+                                 block_tokens, reps, model.spec.context)  # fmt: skip
+        per_token = model.spec.kv_bytes_per_token(model.dtype.itemsize)
+        engine = Engine(model, tokenizer, block_tokens=block_tokens,
+                        kv_budget_bytes=tokens * per_token)  # fmt: skip
+        err.print(
+            f"KV pool for the grids: {tokens:,} tokens ({tokens * per_token / 2**30:.2f} GiB)"
         )
-    except EngineError as exc:
+        doc = profile_engine(engine, model_name=name, reps=reps, log=err.print, **grid)
+    except (EngineError, KVPoolExhausted) as exc:
         err.print(f"[red]profile failed:[/red] {exc}")
         raise typer.Exit(2) from exc
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")

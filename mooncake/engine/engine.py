@@ -29,6 +29,11 @@ from mooncake.hashing import block_keys
 DEFAULT_POOL_CONTEXTS = 4
 
 
+def min_pool_tokens(spec_context: int, block_tokens: int) -> int:
+    """The fewest KV positions an engine's pool may hold: one full context and two blocks."""
+    return spec_context + 2 * block_tokens
+
+
 @dataclass
 class Prefilled:
     """A prefilled sequence: its KV and the logits of the positions just computed."""
@@ -56,7 +61,7 @@ class Engine:
         self.spec = model.spec
         self.block_tokens, self.hash_seed, self.model_id = block_tokens, hash_seed, model_id
         per_token = self.spec.kv_bytes_per_token(model.dtype.itemsize)
-        minimum = (self.spec.context + 2 * block_tokens) * per_token
+        minimum = min_pool_tokens(self.spec.context, block_tokens) * per_token
         budget = kv_budget_bytes or DEFAULT_POOL_CONTEXTS * minimum
         if budget < minimum:
             raise EngineError(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mooncake.engine.batch import DecodeBatch
-from mooncake.engine.engine import Engine, Prefilled
+from mooncake.engine.engine import Engine, Prefilled, min_pool_tokens
 from mooncake.engine.errors import EngineError
 from mooncake.engine.pool import PagedKV
 from mooncake.engine.sampling import SamplingParams
@@ -109,11 +109,31 @@ def profile_decode(
                 _sync(dev)
                 times.append(time.perf_counter() - t0)
             seconds = statistics.median(times[1:])
+            for i in range(batch_size):  # its pages back before the next point
+                batch.cancel(str(i))
             log(f"decode batch {batch_size}, context {context}: {seconds * 1e3:.2f} ms/step")
             rows.append(
                 {"batch": batch_size, "context_tokens": batch_size * context, "seconds": seconds}
             )
+        base.kv.release()
     return rows
+
+
+def pool_tokens_for(
+    prompts: Sequence[int],
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    block_tokens: int,
+    reps: int,
+    context: int = 0,
+) -> int:
+    """KV positions the grids hold at once: a decode point's batch of copies of one context
+    (each growing by `reps` + 1 steps) plus that context's own prefill, or a prefill point's
+    prompt plus the cached blocks it starts from; a block and a page of slack each. Never
+    fewer than an engine's pool may hold for a model of `context` positions."""
+    longest = max([*prompts, *contexts], default=0) + 2 * block_tokens + reps + 16
+    grid = (max(batches, default=1) + 2) * longest
+    return max(grid, min_pool_tokens(context, block_tokens))
 
 
 def profile_engine(

@@ -47,14 +47,18 @@ def test_small_grid_profile_fits() -> None:
     assert model.prefill_s(64, 0) > 0 and model.decode_step_s(3, 120) > 0
 
 
+# A one-layer dummy model with a 128-token context, blocks of 16, one repetition.
+TINY = [
+    "profile", "engine", "--dummy", "--layers", "1", "--hidden", "32", "--heads", "4",
+    "--kv-heads", "2", "--ffn", "64", "--vocab", "64", "--context", "128",
+    "--block-tokens", "16", "--reps", "1",
+]  # fmt: skip
+
+
 def test_cli_writes_the_profile(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    args = [
-        "profile", "engine", "--dummy", "--layers", "1", "--hidden", "32", "--heads", "4",
-        "--kv-heads", "2", "--ffn", "64", "--vocab", "64", "--context", "128",
-        "--prompts", "32", "--cached", "0,16", "--batches", "1,2", "--contexts", "16",
-        "--block-tokens", "16", "--reps", "1", "--out", str(out),
-    ]  # fmt: skip
+    args = [*TINY, "--prompts", "32", "--cached", "0,16", "--batches", "1,2", "--contexts", "16",
+            "--out", str(out)]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
@@ -62,3 +66,24 @@ def test_cli_writes_the_profile(tmp_path: Path) -> None:
     parse_profile(doc)
     bad = CliRunner().invoke(app, [*args[:-2], "--prompts", "500", "--out", str(out)])
     assert bad.exit_code == 2  # longer than the context: a clear error, no traceback
+
+
+def test_cli_sizes_the_pool_for_a_grid_larger_than_the_default(tmp_path: Path) -> None:
+    """A batch x context beyond the default pool (4 contexts of 128 + 2 blocks = 640 tokens
+    here): the command sizes the pool for its grid instead of failing mid-profile."""
+    out = tmp_path / "profile.json"
+    args = [*TINY, "--prompts", "32", "--cached", "0", "--batches", "1,8", "--contexts", "64,100",
+            "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert {(r["batch"], r["context_tokens"]) for r in doc["decode"]} == {
+        (1, 64), (8, 512), (1, 100), (8, 800),
+    }  # fmt: skip
+
+
+def test_pool_tokens_cover_the_largest_point() -> None:
+    from mooncake.engine.profile import pool_tokens_for
+
+    tokens = pool_tokens_for([2048], [16], [4096], block_tokens=256, reps=3)
+    assert tokens >= 17 * (4096 + 4)  # 16 copies and the base, each a few steps longer
