@@ -124,6 +124,12 @@ class Stack:
         if self.settings.kv_cache_bytes is not None:
             env["MOONCAKE_KV_CACHE_BYTES"] = str(int(self.settings.kv_cache_bytes))
         env.setdefault("MOONCAKE_STORE__DRAM_BYTES", str(self.store_bytes()))
+        # The Conductor admits as these settings say (an option of the command that built
+        # them may have overridden the environment's).
+        env["MOONCAKE_ADMISSION_POLICY"] = self.settings.admission_policy
+        if self.settings.conductor.cost_profile is not None:
+            profile = str(Path(self.settings.conductor.cost_profile).resolve())
+            env["MOONCAKE_CONDUCTOR__COST_PROFILE"] = profile
         if self.gateway_port is not None:
             env["MOONCAKE_GATEWAY__PORT"] = str(self.gateway_port)
         return env

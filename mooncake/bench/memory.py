@@ -57,6 +57,7 @@ DEFAULT_TRACE = (
     else Path(__file__).resolve().parents[1] / "data" / "conversation_head.jsonl"
 )
 ENGINE_ROLES = ("prefill", "decode")
+PAPER_TBT_LIMITS_S = (0.1, 0.2, 0.3)
 DEFAULT_RATIO = RatioOptions()
 
 
@@ -240,6 +241,11 @@ def request_figures(
     ttft = [float(p["ttft_s"]) for p in done if p.get("ttft_s") is not None]
     tbt = [float(p["tbt_s"]) for p in done if p.get("tbt_s") is not None]
     good = sum(1 for p in done if within_slo(p, slo))
+    # The paper's three TBT thresholds (PAPER.md §7: I / II / III), each with the TTFT limit.
+    by_tbt = {
+        f"{limit:g}": sum(1 for p in done if within_slo(p, SLO(ttft_s=slo.ttft_s, tbt_s=limit)))
+        for limit in PAPER_TBT_LIMITS_S
+    }
     reasons = {r.value for r in ev.RejectReason}
     rejected = [p for t, p in last.values() if t == "request.rejected"]
     violations = [rid for rid in ids if len(ends[rid]) != 1]
@@ -262,6 +268,9 @@ def request_figures(
         "wall_s": round(wall_s, 1),
         "throughput_req_s": round(len(done) / wall_s, 4) if wall_s > 0 else 0.0,
         "goodput_req_s": round(good / wall_s, 4) if wall_s > 0 else 0.0,
+        "within_slo": good,
+        "within_ttft_slo": sum(1 for t in ttft if t <= slo.ttft_s),
+        "within_slo_by_tbt_limit_s": by_tbt,
         "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
         "ttft_s": {"p50": _r(quantile(ttft, 0.5)), "p90": _r(quantile(ttft, 0.9))},
         "tbt_s": {"p50": _r(quantile(tbt, 0.5)), "p90": _r(quantile(tbt, 0.9))},
@@ -373,6 +382,8 @@ def _report(
         "speed": opts.speed,
         "trace": opts.trace.name,
         "max_output_tokens": opts.max_output_tokens,
+        "admission_policy": settings.admission_policy,
+        "cost_profile": str(c) if (c := settings.conductor.cost_profile) else None,
         **run,
         "roles": roles,
         "infrastructure": infra,

@@ -179,6 +179,17 @@ def bench_memory(
     skip_decode_ratio: Annotated[
         bool, typer.Option("--skip-decode-ratio", help="No paged-vs-contiguous decode run")
     ] = False,
+    admission_policy: Annotated[
+        str | None,
+        typer.Option(
+            help="The Conductor's policy: none | baseline | early | predicted "
+            "(default: MOONCAKE_ADMISSION_POLICY, else none)"
+        ),
+    ] = None,
+    cost_profile: Annotated[
+        Path | None,
+        typer.Option(help="The Conductor's cost model: a `mooncake profile engine` JSON"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The whole system (as `mooncake up` runs it, on a private broker and database) under N
@@ -195,7 +206,14 @@ def bench_memory(
     )
     from mooncake.engine.errors import EngineError
 
-    settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes)
+    if cost_profile is not None and not cost_profile.is_file():
+        err.print(f"[red]bench memory:[/red] no cost profile at {cost_profile}")
+        raise typer.Exit(2)
+    settings = settings_or_exit(
+        kv_cache_bytes=kv_cache_bytes,
+        admission_policy=admission_policy,
+        conductor={"cost_profile": cost_profile} if cost_profile else None,
+    )
     opts = MemoryOptions(
         speed=speed,
         limit=limit,

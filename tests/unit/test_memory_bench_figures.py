@@ -59,6 +59,19 @@ def test_every_request_once_passes() -> None:
     assert out["goodput_req_s"] == 0.0 and out["throughput_req_s"] == 0.25  # a's TBT is over
 
 
+def test_within_slo_at_each_of_the_papers_tbt_limits() -> None:
+    record: Record = {
+        "fast": [completed(1.0, 0.08)],
+        "ii": [completed(1.0, 0.15)],
+        "iii": [completed(1.0, 0.25)],
+        "slow": [completed(1.0, 0.5)],
+        "late": [completed(3.0, 0.05)],  # TTFT over: within none
+    }
+    out = request_figures(list(record), record, {}, SLO_, wall_s=1.0)
+    assert out["within_slo"] == 1 and out["within_ttft_slo"] == 4
+    assert out["within_slo_by_tbt_limit_s"] == {"0.1": 1, "0.2": 2, "0.3": 3}
+
+
 def test_only_engine_roles_have_a_bound() -> None:
     mib = memory.MIB
     roles = role_figures(
@@ -163,3 +176,22 @@ def test_cgroup_oom_kills_reads_cgroup_v2_and_gives_up_elsewhere(
     v1.write_text("4:memory:/svc\n1:cpu:/\n")
     assert memwatch.cgroup_oom_kills(v1) is None
     assert memwatch.cgroup_oom_kills(tmp_path / "missing") is None
+
+
+def test_the_stack_hands_its_admission_policy_and_cost_profile_to_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench memory --admission-policy/--cost-profile` (settings built over the environment)
+    reach the Conductor the stack starts, whatever the environment says."""
+    from mooncake.config import Settings
+    from mooncake.stack import Stack
+
+    monkeypatch.setenv("MOONCAKE_ADMISSION_POLICY", "none")
+    monkeypatch.delenv("MOONCAKE_CONDUCTOR__COST_PROFILE", raising=False)
+    profile = tmp_path / "profile.json"
+    env = Stack(
+        Settings(data_dir=tmp_path, admission_policy="early", conductor={"cost_profile": profile})
+    ).child_env()
+    assert env["MOONCAKE_ADMISSION_POLICY"] == "early"
+    assert env["MOONCAKE_CONDUCTOR__COST_PROFILE"] == str(profile.resolve())
+    assert "MOONCAKE_CONDUCTOR__COST_PROFILE" not in Stack(Settings(data_dir=tmp_path)).child_env()
