@@ -225,6 +225,15 @@ class ClusterView:
     def decode_instances(self) -> Iterator[DecodeInstance]:
         return iter(self.decode_order)
 
+    def bound_to(self, instance: str) -> list[str]:
+        """In-flight requests that name `instance` (as prefill or decode): work for them may
+        still be sent to its subject, by the Conductor or by the prefill that hands over."""
+        return [
+            r.request_id
+            for r in self.inflight.values()
+            if instance in (r.prefill_instance, r.decode_instance)
+        ]
+
     def apply(self, fact: Fact, now: float) -> None:
         match fact:
             case InstanceJoined():

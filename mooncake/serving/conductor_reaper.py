@@ -4,11 +4,14 @@ An instance takes work from its own durable consumer (`prefill-<id>` on `mc.pref
 `decode-<id>` on `mc.decode.<id>`, stream MC_WORK) and acks it when the effect is durable.
 When the Conductor declares it dead (`LiveFeed`), the reaper binds to that consumer and pulls
 whatever it left: messages never delivered come at once, the ones it held unacked once their
-ack_wait runs out. Each is dispatched again to a live instance of the same role that the core
-chooses (`attempt + 1`, a message id derived from the attempt), and only then acked; past
-`max_attempts` the request fails (`retries_exhausted`). Work of a request that already ended
-(cancelled, say) is dropped. The reaper stops when the consumer is drained, or at once when
-the instance reports again (it is alive after all and takes its own work back).
+ack_wait runs out, and work sent to it later (a live prefill hands a request over to the
+decode instance it was given at admission, however long the request queued). Each is
+dispatched again to a live instance of the same role that the core chooses (`attempt + 1`, a
+message id derived from the attempt), and only then acked; past `max_attempts` the request
+fails (`retries_exhausted`). Work of a request that already ended (cancelled, say) is
+dropped. The reaper stops when the consumer is drained and no request in flight names the
+instance any more, or at once when the instance reports again (it is alive after all and
+takes its own work back).
 """
 
 from __future__ import annotations
@@ -152,7 +155,8 @@ class Reaper:
                     idle_since = now
                 elif now - idle_since > linger:
                     info = await psub.consumer_info()
-                    if info.num_pending == 0 and info.num_ack_pending == 0:
+                    drained = info.num_pending == 0 and info.num_ack_pending == 0
+                    if drained and not self.view.bound_to(instance):
                         log.info("%s's work is all re-dispatched", instance)
                         return
                     idle_since = now

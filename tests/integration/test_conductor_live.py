@@ -35,7 +35,7 @@ from mooncake.hashing import block_keys
 from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_reaper import Role, work_consumer
 from mooncake.store import protocol as sp
-from mooncake.work import LoadReport, PrefillWork, TokenChunk, WorkSubjects
+from mooncake.work import DecodeWork, LoadReport, PrefillWork, TokenChunk, WorkSubjects
 from workers import conductor as conductor_worker
 from workers.runtime import WorkerContext
 
@@ -460,3 +460,48 @@ async def test_a_decision_the_broker_already_holds_stands(nats_url: str, namespa
         assert conductor.known.get(req.request_id) is not None
         for sub in work.values():
             await sub.unsubscribe()
+
+
+async def test_work_handed_to_a_dead_decode_after_its_reaping_still_reaches_a_live_one(
+    nats_url: str, namespace: str
+) -> None:
+    """Decode d1 dies while a request bound to it is still queued at a live prefill. The
+    prefill hands the decode work to d1's subject only later (a long queue), after d1's
+    consumer has been drained and the reaper's linger (2 ack_waits + liveness) is over: the
+    work must still reach d2, not sit in d1's consumer until the request times out."""
+    s = live_settings(nats_url, namespace)  # linger: 2 x 1.0 + 0.8 s
+    toks = tokens(2 * BT)
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        p1_work = await cl.bind_work("prefill", "p1")
+        await cl.submit("r-late", token_ids=toks, deadline_s=60.0)
+        assert (await cl.outcome("r-late"))["decode_instance"] == "d1"
+        [msg] = await p1_work.fetch(1, timeout=5)
+        work = PrefillWork.model_validate_json(msg.data)
+        d1_work = await cl.bind_work("decode", "d1")  # d1 had made its consumer; then it dies
+        await d1_work.unsubscribe()
+        del cl.instances["d1"]
+        cl.instances["d2"] = Fake("decode", "n3")
+        await known(conductor, "d2")
+        await until(lambda: _true("d1" not in conductor.view.decode), 5, "d1 declared dead")
+        await asyncio.sleep(2 * s.bus.ack_wait_s + s.conductor.liveness_timeout_s + 2.0)
+
+        # p1 finishes the prefill now and hands over to the decode instance it was given.
+        decode = DecodeWork(
+            request_id=work.request_id, token_ids=work.token_ids, first_token_id=5,
+            prefill_instance="p1", decode_instance=work.decode_instance, timing=work.timing,
+            first_token_at=time.time(), admitted_event_id=work.admitted_event_id,
+        )  # fmt: skip
+        await cl.js.publish(WorkSubjects(cl.ns).decode("d1"), decode.to_json())
+        await msg.ack()
+        d2_work = await cl.bind_work("decode", "d2")
+        [moved] = await d2_work.fetch(1, timeout=10)
+        got = DecodeWork.model_validate_json(moved.data)
+        assert (got.request_id, got.decode_instance, got.attempt) == ("r-late", "d2", 2)
+        await moved.ack()
+        await d2_work.unsubscribe()
+
+
+async def _true(v: bool) -> bool:
+    return v

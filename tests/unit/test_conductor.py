@@ -122,6 +122,20 @@ def test_assignment_updates_the_queue_and_the_lifecycle_drains_it() -> None:
     assert v.decode["d0"].batch == 0 and not v.inflight
 
 
+def test_requests_stay_bound_to_a_dead_instance_until_they_end() -> None:
+    """What the reaper waits for: an instance that left is still named by requests queued
+    elsewhere (a live prefill hands them over to it later) until they end."""
+    v = view(2, 2)
+    queue(v, "p0", 1.0, "a", decode="d0")
+    queue(v, "p1", 1.0, "b", decode="d1")
+    v.apply(cl.InstanceLeft("d0"), 0.5)
+    assert v.bound_to("d0") == ["a"] and v.bound_to("p1") == ["b"]
+    v.apply(cl.DecodeStarted("a"), 1.0)
+    assert v.bound_to("d0") == ["a"]  # decoding there: its work is held in d0's consumer
+    v.apply(cl.RequestDropped("a"), 2.0)
+    assert v.bound_to("d0") == [] and v.bound_to("p0") == []
+
+
 def test_decision_is_json_serialisable_into_the_event() -> None:
     v = view()
     v.apply(cl.BlocksStored("p2", KEYS[:2]), 0.0)
