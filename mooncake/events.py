@@ -12,6 +12,7 @@ facts (store objects, instances) on `MC_META` (`mc.meta.>`), dead letters on `MC
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -132,6 +133,9 @@ class RejectReason(StrEnum):
     NO_INSTANCE = "no_instance"
     # The client (`RequestSubmitted.client_id`) sent more than its per-client limit.
     CLIENT_RATE_LIMITED = "client_rate_limited"
+    # The prompt, or the prompt and the max_tokens asked for, do not fit the model's context.
+    PROMPT_TOO_LONG = "prompt_too_long"
+    MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
 
 
 class RequestAdmitted(RequestEvent):
@@ -372,15 +376,74 @@ class InvalidEvent:
     reason: str
     detail: str
     request_id: str | None = None
+    reply_to: str | None = None  # where the submitter listens, if that was readable
 
 
 _REQUEST_ID_RE = re.compile(rb'"request_id"\s*:\s*"([A-Za-z0-9._:-]{1,128})"')
+_REPLY_TO_RE = re.compile(rb'"reply_to"\s*:\s*"([A-Za-z0-9_.-]{1,256})"')
 
 
 def sniff_request_id(data: bytes) -> str | None:
     """Best-effort request id from a message that did not validate (or was too large to)."""
     match = _REQUEST_ID_RE.search(data[:65536])
     return match.group(1).decode() if match else None
+
+
+def sniff_reply_to(data: bytes) -> str | None:
+    """Best-effort `reply_to` of a message that did not validate: a literal subject only (as
+    `RequestSubmitted.reply_to` must be), so a rejection can still reach its submitter."""
+    match = _REPLY_TO_RE.search(data[:65536])
+    if match is None:
+        return None
+    subject = match.group(1).decode()
+    return subject if re.fullmatch(REPLY_SUBJECT_PATTERN, subject) else None
+
+
+def _invalid(reason: str, detail: str, data: bytes) -> InvalidEvent:
+    return InvalidEvent(reason, detail, sniff_request_id(data), sniff_reply_to(data))
+
+
+LONE_SURROGATE = (
+    "a string holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), "
+    "which is not text"
+)
+
+
+def unencodable(data: Any, path: str = "") -> str | None:
+    """The path (`messages.0.content`) of the first string in parsed JSON that is not valid
+    Unicode text (JSON's `\\ud800` escapes allow lone surrogates, which no UTF-8 encoder,
+    tokenizer or database takes), or None."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(data, dict):
+        items: Any = data.items()
+    elif isinstance(data, list):
+        items = enumerate(data)
+    else:
+        return None
+    for key, value in items:
+        here = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and unencodable(key) is not None:
+            return here
+        if (found := unencodable(value, here)) is not None:
+            return found
+    return None
+
+
+def _surrogate_detail(data: bytes) -> str | None:
+    """Why JSON that pydantic refused is not text, if that is why: Python's own parser takes
+    lone surrogate escapes that pydantic's refuses ("unexpected end of hex escape")."""
+    try:
+        found = unencodable(json.loads(data))
+    except ValueError:
+        return None
+    if found is None:
+        return None
+    return f"{found.encode('utf-8', 'backslashreplace').decode() or '<root>'}: {LONE_SURROGATE}"
 
 
 def parse_event(
@@ -392,17 +455,15 @@ def parse_event(
     message cannot smuggle an `admitted` fact through the public `submitted` subject.
     """
     if max_bytes is not None and len(data) > max_bytes:
-        return InvalidEvent(
-            "payload_too_large",
-            f"{len(data)} bytes exceeds the limit of {max_bytes}",
-            sniff_request_id(data),
+        return _invalid(
+            "payload_too_large", f"{len(data)} bytes exceeds the limit of {max_bytes}", data
         )
     try:
         event = _ADAPTER.validate_json(data)
     except ValidationError as exc:
-        return InvalidEvent("invalid_request", _summarise(exc), sniff_request_id(data))
+        return _invalid("invalid_request", _surrogate_detail(data) or _summarise(exc), data)
     except (ValueError, UnicodeDecodeError) as exc:  # pragma: no cover - pydantic wraps most
-        return InvalidEvent("invalid_request", str(exc)[:500], sniff_request_id(data))
+        return _invalid("invalid_request", str(exc)[:500], data)
     if subject is not None:
         expected = SUBJECT_TO_TYPE.get(subject)
         if expected is not None and expected != event.type:

@@ -54,9 +54,9 @@ from mooncake.core import cluster as cl
 from mooncake.core import conductor as cd
 from mooncake.core.cost_model import Costs
 from mooncake.engine.errors import EngineError
-from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.events import RejectReason
 from mooncake.hashing import block_keys
+from mooncake.model_info import ModelHeader, model_header
 from mooncake.ratelimit import ClientLimits, Limit
 from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_feed import LiveFeed, Liveness, Member
@@ -69,7 +69,6 @@ from mooncake.serving.conductor_terminal import (
     cancelled_event_id,
 )
 from mooncake.serving.ending import Ender
-from mooncake.serving.models import build_tokenizer
 from mooncake.telemetry import inject_headers
 from mooncake.work import PrefillWork, WorkSubjects
 from workers.runtime import WorkerContext, configure_logging, worker_context
@@ -111,7 +110,7 @@ class Conductor:
         ctx: WorkerContext,
         request_ids: KeyValue,
         terminal_kv: KeyValue,
-        tokenizer: ChatTokenizer | None,
+        model: ModelHeader | None,
         costs: Costs,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -120,8 +119,12 @@ class Conductor:
         self._ctx = ctx
         self._ids = request_ids
         self._terminal = terminal_kv
-        self._tokenizer = tokenizer
-        self._vocab = tokenizer.vocab_size if tokenizer is not None else s.engine.dummy.vocab
+        # The model's header: its tokenizer (text prompts), vocabulary and context. None when
+        # the model file cannot be read: text prompts are rejected, token ids are checked
+        # against the dummy shape's vocabulary only, and the context by the prefill.
+        self._tokenizer = model.tokenizer if model is not None else None
+        self._vocab = model.spec.vocab_size if model is not None else s.engine.dummy.vocab
+        self._context = model.spec.context if model is not None else None
         self._policy: admission.Policy = s.admission_policy
         self._reserved = ingress.reserved_reply_prefixes(ctx.ns.prefix)
         self._cfg = conductor_config(s)
@@ -236,26 +239,34 @@ class Conductor:
         tokens = self._prompt_tokens(request)
         if isinstance(tokens, str):
             return (dispatch.invalid_event(request, tokens), "admission")
+        if self._context is not None:
+            params = request.params
+            fit = ingress.fit_context(
+                len(tokens), params.max_tokens, self._context,
+                max_tokens_given="max_tokens" in params.model_fields_set,
+            )  # fmt: skip
+            if isinstance(fit, tuple):
+                return (dispatch.invalid_event(request, fit[1], fit[0]), "admission")
+            if fit != params.max_tokens:
+                request = request.model_copy(
+                    update={"params": params.model_copy(update={"max_tokens": fit})}
+                )
         s = self._ctx.settings
         keys = block_keys(tokens, s.block_tokens, seed=s.hash_seed, salt=s.model_id)
         sreq = cd.ScheduleRequest(request.request_id, len(tokens), tuple(keys))
         now = self._clock()
         decision = admission.decide(self._policy, self.view, sreq, self._cfg, self._costs, now)
+        why = None
         if decision.reason is RejectReason.NO_INSTANCE:
+            why = self._no_instance_why(len(tokens))
             delay = dispatch.no_instance_delay(
                 d.num_delivered, s.conductor.no_instance_wait_s, s.bus.max_deliver
             )
             if delay is not None:
-                alive = self.liveness.alive("prefill") and self.liveness.alive("decode")
-                why = (
-                    "no decode instance's KV pool can hold the prompt"
-                    if alive
-                    else "no prefill or decode instance yet"
-                )
                 return Retry(why, delay)
         inputs = self._inputs(request, decision)
         if not decision.admitted:
-            return (dispatch.rejected_event(request, decision, inputs), decision.stage)
+            return (dispatch.rejected_event(request, decision, inputs, why), decision.stage)
         admitted = dispatch.admitted_event(request, decision, inputs)
         fact = cd.assignment(decision)
         if fact is not None:
@@ -263,6 +274,21 @@ class Conductor:
         self.known.add(request.request_id, Known(request.reply_to, admitted.event_id))
         work = dispatch.prefill_work(request, decision, tokens, admitted.event_id, s.block_tokens)
         return (admitted, work)
+
+    def _no_instance_why(self, prompt_tokens: int) -> str:
+        """Why no instance could take a request (the `no_instance` detail)."""
+        prefill = len(self.liveness.alive("prefill"))
+        decode = len(self.liveness.alive("decode"))
+        if prefill and decode:
+            return (
+                f"no live decode instance's KV pool can hold a prompt of {prompt_tokens:,} "
+                f"tokens (live: {prefill} prefill, {decode} decode)"
+            )
+        waited = self._ctx.settings.conductor.no_instance_wait_s
+        return (
+            f"no live {'decode' if prefill else 'prefill'} instance (live: {prefill} prefill, "
+            f"{decode} decode; waited {waited:g} s for one)"
+        )
 
     async def handle_batch(self, batch: list[Delivery]) -> list[Outcome]:
         """A batch of submissions: the I/O of different requests overlaps (dedupe and
@@ -441,9 +467,12 @@ class Conductor:
             case ingress.Discard(reason=reason, detail=detail):
                 metrics.REQUESTS_REJECTED.labels("ingress", "unreadable").inc()
                 return DeadLetter(reason, detail)
-            case ingress.Reject(event=rejected):
+            case ingress.Reject(event=rejected, reply_to=reply_to):
                 await self._ctx.publisher.publish(rejected)
                 metrics.REQUESTS_REJECTED.labels("ingress", rejected.reason.value).inc()
+                if reply_to is not None:  # best effort, as every reply (the record has it)
+                    with contextlib.suppress(Exception):
+                        await self._ctx.nc.publish(reply_to, rejected.to_json())
                 return ACK
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -506,12 +535,15 @@ async def start_conductor(ctx: WorkerContext) -> Conductor:
     s = ctx.settings
     costs = build_costs(s)  # a bad profile stops the Conductor here, before any decision
     try:
-        tokenizer = await asyncio.to_thread(build_tokenizer, s)
+        model: ModelHeader | None = await asyncio.to_thread(model_header, s.engine)
     except Exception:
-        log.exception("no tokenizer for %s: text prompts will be rejected", s.engine.model)
-        tokenizer = None
+        log.exception(
+            "cannot read the model %s: text prompts will be rejected, and prompts too long "
+            "for its context only at prefill", s.engine.model,
+        )  # fmt: skip
+        model = None
     terminal_kv = await terminal.open_bucket(ctx.js, ctx.ns, s.bus.replicas)
-    conductor = Conductor(ctx, await open_request_ids(ctx), terminal_kv, tokenizer, costs)
+    conductor = Conductor(ctx, await open_request_ids(ctx), terminal_kv, model, costs)
     await conductor.start()
     return conductor
 

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 
 import uvicorn
 
@@ -23,7 +24,7 @@ from mooncake.aio import cancel_all
 from mooncake.config import Settings
 from mooncake.gateway import GatewayOptions, NatsBackend, create_app
 from mooncake.gateway.app import Gateway
-from mooncake.serving.models import build_tokenizer
+from mooncake.model_info import model_header
 from workers.runtime import configure_logging, worker_context
 
 log = logging.getLogger("mooncake.gateway")
@@ -62,13 +63,10 @@ async def main(settings: Settings, instance_id: str | None = None) -> None:
     sock = bind(g.host, g.port)
     try:
         # The tokenizer turns prompts into token ids and applies the chat template.
-        tokenizer = await asyncio.to_thread(build_tokenizer, settings)
+        model = await asyncio.to_thread(model_header, settings.engine)
+        options = replace(GatewayOptions.from_settings(settings), context=model.spec.context)
         async with worker_context(settings, "gateway", instance_id) as ctx:
-            app = create_app(
-                NatsBackend(ctx.nc, ctx.publisher, ctx.ns),
-                GatewayOptions.from_settings(settings),
-                tokenizer,
-            )
+            app = create_app(NatsBackend(ctx.nc, ctx.publisher, ctx.ns), options, model.tokenizer)
             config = uvicorn.Config(
                 app,
                 log_level=settings.log_level.lower(),

@@ -343,6 +343,39 @@ def no_instance(req: ScheduleRequest, policy: str, cfg: ConductorConfig, now: fl
     )
 
 
+def rejection_detail(d: Decision) -> str:
+    """Why a policy rejected a request, in words and numbers (the event's `detail`; the
+    gateway shows it to the client)."""
+    cfg = d.config
+    ttft = f"{d.predicted_ttft_s:.2f} s" if d.predicted_ttft_s is not None else "unknown"
+    tbt = f"{d.predicted_tbt_s * 1000:.0f} ms" if d.predicted_tbt_s is not None else "unknown"
+    ttft_parts = (
+        f"queue {d.queue_s:.2f} s + transfer {d.transfer_s:.2f} s + prefill {d.prefill_s:.2f} s"
+        f" on {d.prefill_instance}"
+    )
+    tbt_slo, ttft_slo = f"{cfg.tbt_slo_s * 1000:.0f} ms", f"{cfg.ttft_slo_s:g} s"
+    match d.reason:
+        case RejectReason.NO_INSTANCE:
+            return f"no live instance pair can take a prompt of {d.prompt_tokens:,} tokens"
+        case RejectReason.TTFT_SLO:
+            return f"predicted TTFT {ttft} ({ttft_parts}) is over the SLO of {ttft_slo}"
+        case RejectReason.TBT_SLO:
+            return f"predicted TBT {tbt} on {d.decode_instance} is over the SLO of {tbt_slo}"
+        case RejectReason.PREFILL_OVERLOADED:
+            load = f"{d.prefill_load:.2f}" if d.prefill_load is not None else "over 1"
+            return (
+                f"prefill load {load} (predicted TTFT {ttft}: {ttft_parts}; SLO {ttft_slo}) "
+                f"under the {d.policy} policy"
+            )
+        case RejectReason.DECODE_OVERLOADED:
+            load = f"{d.decode_load:.2f}" if d.decode_load is not None else "over 1"
+            return (
+                f"decode load {load} (predicted TBT {tbt} on {d.decode_instance}; SLO {tbt_slo}) "
+                f"under the {d.policy} policy"
+            )
+    return str(d.reason.value) if d.reason is not None else "rejected"
+
+
 def slo_reason(ttft_s: float, tbt_s: float, cfg: ConductorConfig) -> RejectReason | None:
     if ttft_s > cfg.ttft_slo_s:
         return RejectReason.TTFT_SLO

@@ -2,8 +2,9 @@
 
 - a valid submission goes on to admission;
 - an invalid one whose request id can be read becomes a `request.rejected` with reason
-  `invalid_request` (so the client hears back); so does one whose `reply_to` is one of the
-  system's own subjects (the workers would publish tokens and decisions there for it);
+  `invalid_request`, told to its `reply_to` too where that can be read (so the client hears
+  back); so does one whose `reply_to` is one of the system's own subjects (the workers would
+  publish tokens and decisions there for it), told to nobody;
 - anything else is dead-lettered (there is nobody to answer).
 """
 
@@ -23,6 +24,7 @@ class Accept:
 @dataclass(frozen=True, slots=True)
 class Reject:
     event: ev.RequestRejected
+    reply_to: str | None = None  # the submitter's, to tell it (never one of the system's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,22 +50,31 @@ def judge(
     reserved: tuple[str, ...] = (),
 ) -> IngressDecision:
     if isinstance(parsed, ev.RequestSubmitted):
-        reply_to = parsed.reply_to
-        if reply_to is None or not reply_to.startswith(reserved):
+        if parsed.reply_to is None or not parsed.reply_to.startswith(reserved):
             return Accept(parsed)
-        detail = f"reply_to {reply_to!r} is a subject of the system; use an inbox"
+        detail = f"reply_to {parsed.reply_to!r} is a subject of the system; use an inbox"
         return _reject("invalid_request", detail, parsed.request_id, msg_id, now)
     request_id: str | None
+    reply_to: str | None = None
     if isinstance(parsed, ev.InvalidEvent):
         reason, detail, request_id = parsed.reason, parsed.detail, parsed.request_id
+        if parsed.reply_to is not None and not parsed.reply_to.startswith(reserved):
+            reply_to = parsed.reply_to
     else:  # a valid event of another type on the public subject (parse_event refuses it)
         reason, detail, request_id = "invalid_request", f"unexpected {parsed.type}", None
     if request_id is None:
         return Discard(reason, detail)
-    return _reject(reason, detail, request_id, msg_id, now)
+    return _reject(reason, detail, request_id, msg_id, now, reply_to)
 
 
-def _reject(reason: str, detail: str, request_id: str, msg_id: str | None, now: datetime) -> Reject:
+def _reject(
+    reason: str,
+    detail: str,
+    request_id: str,
+    msg_id: str | None,
+    now: datetime,
+    reply_to: str | None = None,
+) -> Reject:
     event_id = ev.derived_event_id(msg_id or f"req:{request_id}", "rejected")
     return Reject(
         ev.RequestRejected(
@@ -73,5 +84,34 @@ def _reject(reason: str, detail: str, request_id: str, msg_id: str | None, now: 
             reason=ev.RejectReason.INVALID_REQUEST,
             stage="ingress",
             detail=f"{reason}: {detail}"[:2000],
+        ),
+        reply_to,
+    )
+
+
+def fit_context(
+    prompt_tokens: int, max_tokens: int, context: int, *, max_tokens_given: bool
+) -> int | tuple[ev.RejectReason, str]:
+    """The most tokens a request may generate within the model's context, or why it cannot run.
+
+    A prompt that fills the context leaves no room for output: `prompt_too_long`. A
+    `max_tokens` the client asked for that would run past the context is `max_tokens_too_large`
+    (as OpenAI's API does), with the most it may ask for; a default `max_tokens` the client did
+    not ask for is cut to the room left instead."""
+    if prompt_tokens >= context:
+        return (
+            ev.RejectReason.PROMPT_TOO_LONG,
+            f"the prompt has {prompt_tokens:,} tokens and the model's context is {context:,}, "
+            f"which leaves no room for output: a prompt may have at most {context - 1:,} tokens",
         )
+    room = context - prompt_tokens
+    if max_tokens <= room:
+        return max_tokens
+    if not max_tokens_given:
+        return room
+    return (
+        ev.RejectReason.MAX_TOKENS_TOO_LARGE,
+        f"max_tokens {max_tokens:,} and the prompt's {prompt_tokens:,} tokens come to "
+        f"{prompt_tokens + max_tokens:,}, past the model's context of {context:,}: ask for at "
+        f"most {room:,} tokens",
     )

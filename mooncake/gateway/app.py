@@ -34,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mooncake import events as ev
 from mooncake import metrics
 from mooncake.client import Outcome, new_request_id
 from mooncake.config import Settings
@@ -65,6 +66,9 @@ class GatewayOptions:
     retry_after_s: int = 2
     request_timeout_s: float = 300.0
     max_body_bytes: int = 1 << 20
+    # The model's context in tokens (from its header; None: unknown): a chat request without
+    # max_tokens generates up to the room its prompt leaves, at most DEFAULT_CHAT_MAX_TOKENS.
+    context: int | None = None
     # Per-client token bucket on the completion routes (0: off); see `client_of`.
     client_rate_per_s: float = 10.0
     client_burst: int = 20
@@ -74,7 +78,7 @@ class GatewayOptions:
         g = s.gateway
         return cls(
             s.model_id, g.retry_after_s, g.request_timeout_s, g.max_body_bytes,
-            g.client_rate_per_s, g.client_burst,
+            client_rate_per_s=g.client_rate_per_s, client_burst=g.client_burst,
         )  # fmt: skip
 
 
@@ -110,9 +114,16 @@ async def read_json(request: Request, limit: int) -> Any:
             raise too_large
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        data = json.loads(b"".join(chunks))
     except ValueError as exc:
         raise errors.bad_request(f"malformed JSON body: {exc}", code="invalid_json") from exc
+    if (found := ev.unencodable(data)) is not None:
+        where = found.encode("utf-8", "backslashreplace").decode()  # a key may be the culprit
+        raise errors.bad_request(
+            f"{where or 'body'}: {ev.LONE_SURROGATE}",
+            param=where.split(".", 1)[0] or None, code="invalid_encoding",
+        )  # fmt: skip
+    return data
 
 
 def parse(model: type[Body], data: Any) -> Body:
@@ -444,7 +455,7 @@ def create_app(
         client = gw.admit_client(request)
         req = parse(ChatCompletionRequest, await read_json(request, options.max_body_bytes))
         gw.check_model(req.model)
-        submission = tr.chat_submission(req, gw.tokenizer)
+        submission = tr.chat_submission(req, gw.tokenizer, options.context)
         return await gw.answer(replace(submission, client_id=client), req, chat=True)
 
     @app.get("/v1/models")

@@ -20,7 +20,7 @@ UNAVAILABLE = "service_unavailable_error"
 
 # Conductor rejections that are about the request itself, not the system's load: the
 # client must change the request, so retrying (what 429 invites) would not help.
-CLIENT_REASONS = frozenset({"invalid_request"})
+CLIENT_REASONS = frozenset({"invalid_request", "prompt_too_long", "max_tokens_too_large"})
 
 
 class ApiError(Exception):
@@ -81,7 +81,8 @@ def rejected(decision: Mapping[str, Any], retry_after_s: int) -> ApiError:
     reason = str(decision.get("reason") or "rejected")
     detail = str(decision.get("detail") or "")
     if reason in CLIENT_REASONS:
-        return bad_request(f"invalid request: {detail or reason}", code=reason)
+        param = "max_tokens" if reason == "max_tokens_too_large" else None
+        return bad_request(f"invalid request: {detail or reason}", code=reason, param=param)
     message = f"the request was rejected ({reason}"
     message += f": {detail})" if detail else ")"
     message += f"; retry after {retry_after_s} s"

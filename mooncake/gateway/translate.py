@@ -90,7 +90,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     ]
 
 
-def chat_submission(req: ChatCompletionRequest, tokenizer: ChatTokenizer | None) -> Submission:
+def chat_submission(
+    req: ChatCompletionRequest, tokenizer: ChatTokenizer | None, context: int | None = None
+) -> Submission:
     if tokenizer is None:
         raise errors.bad_request(
             "the served model has no tokenizer or chat template; use /v1/completions with "
@@ -101,8 +103,17 @@ def chat_submission(req: ChatCompletionRequest, tokenizer: ChatTokenizer | None)
         tokens = tokenizer.encode_chat(chat_messages(req))
     except EngineError as exc:
         raise errors.bad_request(str(exc), param="messages") from exc
-    max_tokens = req.token_budget or DEFAULT_CHAT_MAX_TOKENS
+    max_tokens = req.token_budget or default_chat_max_tokens(len(tokens), context)
     return Submission(sampling_params(req, max_tokens), token_ids=tokens)
+
+
+def default_chat_max_tokens(prompt_tokens: int, context: int | None) -> int:
+    """What a chat request without max_tokens may generate: DEFAULT_CHAT_MAX_TOKENS, or the
+    room its prompt leaves in the context if that is less (a prompt that leaves none is the
+    Conductor's `prompt_too_long`)."""
+    if context is None or prompt_tokens >= context:
+        return DEFAULT_CHAT_MAX_TOKENS
+    return min(DEFAULT_CHAT_MAX_TOKENS, context - prompt_tokens)
 
 
 # --- what comes back ------------------------------------------------------------------------------

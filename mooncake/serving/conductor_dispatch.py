@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from mooncake import events as ev
-from mooncake.core.conductor import Decision
+from mooncake.core.conductor import Decision, rejection_detail
 from mooncake.events import RejectReason
 from mooncake.work import PrefillWork, Timing
 
@@ -74,8 +74,12 @@ def admitted_event(
 
 
 def rejected_event(
-    request: ev.RequestSubmitted, decision: Decision, inputs: dict[str, Any]
+    request: ev.RequestSubmitted,
+    decision: Decision,
+    inputs: dict[str, Any],
+    detail: str | None = None,
 ) -> ev.RequestRejected:
+    """A policy's rejection, with why (`detail`, else the decision's numbers in words)."""
     assert decision.reason is not None
     stage = decision.stage if decision.stage in ("admission", "prefill", "decode") else "admission"
     return ev.RequestRejected(
@@ -83,6 +87,7 @@ def rejected_event(
         request_id=request.request_id,
         reason=decision.reason,
         stage=stage,
+        detail=(detail or rejection_detail(decision))[:2000],
         policy=decision.policy,
         predicted_ttft_s=decision.predicted_ttft_s,
         predicted_tbt_s=decision.predicted_tbt_s,
@@ -90,11 +95,14 @@ def rejected_event(
     )
 
 
-def invalid_event(request: ev.RequestSubmitted, detail: str) -> ev.RequestRejected:
+def invalid_event(
+    request: ev.RequestSubmitted, detail: str, reason: RejectReason = RejectReason.INVALID_REQUEST
+) -> ev.RequestRejected:
+    """A rejection of the request itself (the client must change it), with why."""
     return ev.RequestRejected(
         event_id=decision_event_id(request),
         request_id=request.request_id,
-        reason=RejectReason.INVALID_REQUEST,
+        reason=reason,
         stage="admission",
         detail=detail[:2000],
     )

@@ -8,16 +8,10 @@ import torch
 
 from mooncake import events as ev
 from mooncake import memory
-from mooncake.config import EngineSettings, Settings
-from mooncake.engine import Engine, ModelSpec, dummy_model
+from mooncake.config import Settings
+from mooncake.engine import Engine, dummy_model
 from mooncake.engine import SamplingParams as EngineSampling
-from mooncake.engine.tokenizer import ChatTokenizer
-
-
-def dummy_spec(s: EngineSettings) -> ModelSpec:
-    d = s.dummy
-    return ModelSpec(d.vocab, d.hidden, d.layers, d.heads, d.kv_heads, d.ffn, d.context)
-
+from mooncake.model_info import dummy_spec
 
 log = logging.getLogger("mooncake.engine")
 
@@ -74,19 +68,6 @@ def memory_statement(engine: Engine, segment_bytes: int = 0) -> str:
         f"{pool.page_tokens}) + store segment {segment_bytes / mib:.0f} MiB + other "
         f"{memory.OTHER_ALLOWANCE / mib:.0f} MiB = bound {bound / mib:.0f} MiB"
     )
-
-
-def build_tokenizer(settings: Settings) -> ChatTokenizer | None:
-    """Only the tokenizer (the Conductor turns prompts into tokens and block keys); None for
-    the dummy model, which takes token ids only."""
-    s = settings.engine
-    if s.model == "dummy":
-        return None
-    from mooncake.engine.gguf_loader import open_gguf, smollm2_path
-    from mooncake.engine.tokenizer import tokenizer_from_gguf
-
-    reader = open_gguf(s.gguf_path or smollm2_path())
-    return tokenizer_from_gguf(dict(reader.fields))
 
 
 def engine_params(p: ev.SamplingParams) -> EngineSampling:

@@ -42,8 +42,9 @@ from mooncake.db.engine import async_engine
 from mooncake.db.rebuild import verify
 from mooncake.engine import generate
 from mooncake.engine.sampling import SamplingParams as EngineParams
+from mooncake.model_info import dummy_spec
 from mooncake.services import free_port
-from mooncake.serving.models import build_engine, dummy_spec
+from mooncake.serving.models import build_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

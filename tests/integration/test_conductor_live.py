@@ -30,7 +30,7 @@ from mooncake.bus import terminal
 from mooncake.bus.connection import ensure_streams
 from mooncake.bus.consume import PullConsumer
 from mooncake.bus.publish import Publisher
-from mooncake.config import BusSettings, ConductorSettings, EngineSettings, Settings
+from mooncake.config import BusSettings, ConductorSettings, DummyModel, EngineSettings, Settings
 from mooncake.hashing import block_keys
 from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_reaper import Role, work_consumer
@@ -276,6 +276,8 @@ async def test_early_rejects_on_an_overloaded_decode_instance(
             "early",
         )
         assert out["predicted_tbt_s"] > 0.1 and out["inputs"]["decode_load"] > 1.0
+        tbt_ms = round(out["predicted_tbt_s"] * 1000)
+        assert out["detail"] == f"predicted TBT {tbt_ms} ms on d1 is over the SLO of 100 ms"
 
 
 async def _batch(conductor: conductor_worker.Conductor, iid: str, n: int) -> bool:
@@ -316,6 +318,9 @@ async def test_predicted_rejects_when_decode_will_be_overloaded(
             got.append(await cl.outcome(f"r-pred-{i}"))
         assert [o["type"] for o in got] == ["request.admitted"] * 2 + ["request.rejected"]
         assert got[2]["reason"] == "decode_overloaded" and got[2]["policy"] == "predicted"
+        assert (
+            got[2]["detail"].startswith("decode load ") and "predicted policy" in got[2]["detail"]
+        )
         # Judged at the time its prefill would finish: behind the two queued prefills.
         assert got[2]["predicted_ttft_s"] == pytest.approx(1.2, rel=0.05)
         assert got[2]["inputs"]["extra"]["tbt_at:d1"] == pytest.approx(0.12, rel=0.05)
@@ -330,6 +335,9 @@ async def test_no_instance_retries_then_rejects_and_a_late_instance_admits(
         await cl.submit("r-none", token_ids=tokens(20))
         out = await cl.outcome("r-none")
         assert (out["type"], out["reason"]) == ("request.rejected", "no_instance")
+        assert out["detail"] == (
+            "no live prefill instance (live: 0 prefill, 0 decode; waited 1 s for one)"
+        )
         assert time.monotonic() - started >= 0.8  # it waited for instances first
 
         await cl.submit("r-late", token_ids=tokens(20))
@@ -505,3 +513,42 @@ async def test_work_handed_to_a_dead_decode_after_its_reaping_still_reaches_a_li
 
 async def _true(v: bool) -> bool:
     return v
+
+
+async def test_what_cannot_fit_the_context_is_rejected_before_any_work(
+    nats_url: str, namespace: str
+) -> None:
+    """Against the model's context (64 here): a prompt that fills it is `prompt_too_long`, a
+    max_tokens asked for past it `max_tokens_too_large` (each with the numbers, told to the
+    client, no work sent); a default max_tokens is cut to the room the prompt leaves."""
+    s = live_settings(nats_url, namespace)
+    s = s.model_copy(update={"engine": EngineSettings(model="dummy", dummy=DummyModel(context=64))})
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        p1_work = await cl.bind_work("prefill", "p1")
+
+        await cl.submit("r-long", token_ids=tokens(64))
+        await cl.submit("r-many", token_ids=tokens(40), params=ev.SamplingParams(max_tokens=25))
+        long_, many = await cl.outcome("r-long"), await cl.outcome("r-many")
+        assert (long_["type"], long_["reason"]) == ("request.rejected", "prompt_too_long")
+        assert "at most 63 tokens" in long_["detail"]
+        assert (many["type"], many["reason"]) == ("request.rejected", "max_tokens_too_large")
+        assert "at most 24 tokens" in many["detail"]
+        for rid, reason in (("r-long", "prompt_too_long"), ("r-many", "max_tokens_too_large")):
+            await until(lambda r=rid: _some(cl.replies[r]), 10, f"the reply to {rid}")
+            told = json.loads(cl.replies[rid][0])
+            assert (told["type"], told["reason"]) == ("request.rejected", reason)
+
+        # No max_tokens in the submission: the default (128) is cut to the 24 that fit.
+        raw = {"request_id": "r-room", "token_ids": tokens(40), "reply_to": "_INBOX.r-room"}
+        await cl.nc.subscribe("_INBOX.r-room", cb=cl._reply("r-room"))
+        cl.replies["r-room"] = []
+        await cl.js.publish(cl.ns.subject(ev.RequestSubmitted.SUBJECT), json.dumps(
+            {"type": "request.submitted", "event_id": "e-room", **raw}).encode())  # fmt: skip
+        assert (await cl.outcome("r-room"))["type"] == "request.admitted"
+        [msg] = await p1_work.fetch(1, timeout=5)
+        work = PrefillWork.model_validate_json(msg.data)
+        assert (work.request_id, work.params.max_tokens) == ("r-room", 24)
+        await msg.ack()
+        await p1_work.unsubscribe()

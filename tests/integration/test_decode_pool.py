@@ -13,7 +13,7 @@ from test_decode_worker import BLOCK, Rig, rig_settings, running_rig, tokens
 
 from mooncake import events as ev
 from mooncake.config import DummyModel, EngineSettings
-from mooncake.serving.models import dummy_spec
+from mooncake.model_info import dummy_spec
 
 CONTEXT = 512
 # The smallest pool the engine accepts: one full context plus two blocks (34 pages of 16

@@ -387,7 +387,7 @@ def test_text_deltas_never_split_a_character() -> None:
     hold half a character, and hold back what could still become a stop string."""
     from mooncake.config import load_settings
     from mooncake.engine import EngineError
-    from mooncake.serving.models import build_tokenizer
+    from mooncake.model_info import build_tokenizer
     from mooncake.serving.streaming import TextDeltas
 
     try:

@@ -279,6 +279,46 @@ def test_a_reply_to_inside_the_system_is_refused_without_publishing_there(live: 
     live.admits_a_good_request()
 
 
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        {"params": {"max_tokens": 0}},
+        {"prompt": "a\ud800b", "token_ids": None},  # a lone surrogate: not text
+        {"slo_class": "no spaces allowed"},
+        {"unknown_field": 1},
+    ],
+)
+def test_an_invalid_submission_is_told_to_its_reply_to(
+    live: Live, mutation: dict[str, Any]
+) -> None:
+    """A submission that does not validate but names its request and its reply_to readably:
+    the rejection is recorded and the submitter hears it (it would otherwise wait out its
+    timeout for an answer that never comes)."""
+    rid, inbox = fresh_id("told"), f"fz.told.{uuid.uuid4().hex}"
+    got: list[dict[str, Any]] = []
+
+    async def listen(msg: Msg) -> None:
+        got.append(json.loads(msg.data))
+
+    sub = live.run(live.nc.subscribe(inbox, cb=listen))
+    body = {k: v for k, v in (submitted_base(rid) | {"reply_to": inbox} | mutation).items()
+            if v is not None}  # fmt: skip
+    outcome = live.decide(json.dumps(body).encode())
+    assert isinstance(outcome, Ack), outcome
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        live.settle()
+    live.run(sub.unsubscribe())
+    [told] = got
+    assert (told["type"], told["request_id"], told["reason"]) == (
+        "request.rejected", rid, "invalid_request",
+    )  # fmt: skip
+    [recorded] = live.heard[rid]
+    assert told["detail"] and (told["event_id"], told["detail"]) == (
+        recorded["event_id"], recorded["detail"],
+    )  # fmt: skip
+
+
 @FUZZ
 @given(data=st.data())
 def test_fuzzed_submissions_are_decided_or_dead_lettered_never_retried(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +16,7 @@ from mooncake.core.conductor import (
     assignment,
     choose,
     decide,
+    rejection_detail,
 )
 from mooncake.core.cost_model import Costs, TransferModel
 from mooncake.events import RejectReason, RequestAdmitted
@@ -94,6 +95,30 @@ def test_no_instance_and_slo_rejections() -> None:
     v = view(1, 1)
     v.apply(cl.DecodeLoadReported("d0", 40, 0), 0.0)  # step(41, 100) = 0.05101 > 0.05
     assert decide(v, req(), CFG, COSTS, 0.0).reason is RejectReason.TBT_SLO
+
+
+def test_every_rejection_says_why_in_numbers() -> None:
+    assert rejection_detail(decide(view(0, 1), req(), CFG, COSTS, 0.0)) == (
+        "no live instance pair can take a prompt of 100 tokens"
+    )
+    v = view(1, 1)
+    queue(v, "p0", 4.95, "busy")
+    assert rejection_detail(decide(v, req(), CFG, COSTS, 0.0)) == (
+        "predicted TTFT 5.05 s (queue 4.95 s + transfer 0.00 s + prefill 0.10 s on p0) is "
+        "over the SLO of 5 s"
+    )
+    v = view(1, 1)
+    v.apply(cl.DecodeLoadReported("d0", 40, 0), 0.0)
+    assert rejection_detail(decide(v, req(), CFG, COSTS, 0.0)) == (
+        "predicted TBT 51 ms on d0 is over the SLO of 50 ms"
+    )
+    overloaded = replace(
+        decide(v, req(), CFG, COSTS, 0.0), reason=RejectReason.DECODE_OVERLOADED,
+        decode_load=1.02, policy="early",
+    )  # fmt: skip
+    assert rejection_detail(overloaded) == (
+        "decode load 1.02 (predicted TBT 51 ms on d0; SLO 50 ms) under the early policy"
+    )
 
 
 def test_decode_choice_counts_work_routed_but_not_yet_decoding() -> None:

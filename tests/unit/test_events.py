@@ -154,3 +154,19 @@ def test_an_event_with_u0000_is_made_storable_and_others_are_left_alone() -> Non
     plain = ev.RequestSubmitted(request_id="r2", token_ids=[1], params={"stop": ["\\u0000"]})
     assert NUL_ON_THE_WIRE in plain.to_json()  # a false alarm on the wire check ...
     assert storable(plain) is plain  # ... that changes nothing
+
+
+def test_an_unreadable_submission_keeps_what_lets_its_client_hear_back() -> None:
+    """Its request id and a literal reply_to are sniffed; a lone surrogate is named as such
+    (pydantic's own message is "unexpected end of hex escape")."""
+    base = b'{"type":"request.submitted","event_id":"e","request_id":"r-1",'
+    bad = ev.parse_event(base + b'"prompt":"a\\ud800b","reply_to":"_INBOX.abc"}')
+    assert isinstance(bad, ev.InvalidEvent)
+    assert (bad.request_id, bad.reply_to) == ("r-1", "_INBOX.abc")
+    assert bad.detail.startswith("prompt: a string holds a lone UTF-16 surrogate")
+    wild = ev.parse_event(base + b'"prompt":"x","reply_to":"a.*","params":{"max_tokens":0}}')
+    assert isinstance(wild, ev.InvalidEvent) and wild.reply_to is None  # never a wildcard
+    assert "max_tokens" in wild.detail
+    assert ev.unencodable({"a": ["ok", {"\ud800": 1}]}) == "a.1.\ud800"
+    pair = json.loads('"\\ud83d\\ude00"')  # JSON joins a surrogate pair into one character
+    assert ev.unencodable({"a": ["ok", pair]}) is None

@@ -450,6 +450,59 @@ async def test_invalid_request_rejection_is_400(rig: Callable[..., Rig]) -> None
     assert "retry-after" not in resp.headers
 
 
+@pytest.mark.parametrize(
+    ("reason", "param"), [("prompt_too_long", None), ("max_tokens_too_large", "max_tokens")]
+)
+async def test_a_request_that_cannot_fit_the_context_is_400(
+    rig: Callable[..., Rig], reason: str, param: str | None
+) -> None:
+    r = rig(rejection(reason, "the model's context is 8,192 tokens"))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": [1, 2]})
+    assert resp.status_code == 400, resp.text
+    err = error_of(resp)
+    assert (err["code"], err["param"]) == (reason, param)
+    assert "context is 8,192" in err["message"] and "retry-after" not in resp.headers
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        (b'{"model": "test-model", "prompt": "a\\ud800b"}', "prompt"),
+        (b'{"model": "test-model", "messages": [{"role": "user", "content": "\\udfff"}]}',
+         "messages.0.content"),
+        (b'{"model": "test-model", "prompt": "x", "stop": ["ok", "\\ud83d"]}', "stop.1"),
+        (b'{"model": "test-model", "prompt": "x", "\\ud800": 1}', "\\ud800"),  # a key
+    ],
+)  # fmt: skip
+async def test_a_lone_surrogate_is_400_invalid_encoding(
+    rig: Callable[..., Rig], body: bytes, where: str
+) -> None:
+    r = rig()
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    resp = await r.post(path, body)
+    assert resp.status_code == 400, resp.text
+    err = error_of(resp)
+    assert err["code"] == "invalid_encoding" and "surrogate" in err["message"]
+    assert err["message"].startswith(where + ":"), err["message"]
+    assert r.backend.submitted == []
+    # A surrogate pair is text: the same escape with its partner goes through.
+    ok = await r.post("/v1/completions", {"model": MODEL, "prompt": "a\ud83d\ude00b"})
+    assert ok.status_code == 200, ok.text
+
+
+async def test_chat_without_max_tokens_generates_at_most_the_room_its_prompt_leaves(
+    rig: Callable[..., Rig],
+) -> None:
+    r = rig(context=64)
+    msg = {"role": "user", "content": "x" * 30}
+    await r.post("/v1/chat/completions", {"model": MODEL, "messages": [msg]})
+    await r.post("/v1/chat/completions", {"model": MODEL, "messages": [msg], "max_tokens": 50})
+    (_, default), (_, asked) = r.backend.submitted
+    assert default.token_ids is not None
+    assert default.params.max_tokens == 64 - len(default.token_ids) < 50
+    assert asked.params.max_tokens == 50  # asked for: the Conductor judges it
+
+
 async def test_failure_is_500_with_the_reason(rig: Callable[..., Rig]) -> None:
     r = rig(replies(admitted("r"), final("r", 0, "failed", "prefill: out of memory")))
     resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
