@@ -21,7 +21,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -335,7 +335,12 @@ class Gateway:
             raise errors.model_not_found(model, self.options.model_id)
 
     async def answer(
-        self, submission: tr.Submission, req: SamplingFields, *, chat: bool
+        self,
+        submission: tr.Submission,
+        req: SamplingFields,
+        *,
+        chat: bool,
+        request: Request | None = None,
     ) -> Response:
         if not self.backend.connected:
             raise errors.unavailable("the message bus (NATS) is not connected")
@@ -362,7 +367,8 @@ class Gateway:
             if req.stream:
                 streaming = True  # the stream's end closes the call
                 return EventStream(call, req.include_usage, headers)
-            await call.run_out()
+            if not await _unless_disconnected(call.run_out(), request):
+                return Response(status_code=499)  # nobody reads it; close() cancels the request
             if (problem := call.problem()) is not None:
                 raise problem
             body_of = tr.chat_body if chat else tr.completion_body
@@ -375,6 +381,32 @@ class Gateway:
         finally:
             if not streaming:
                 self.spawn(call.close())
+
+
+async def _unless_disconnected(work: Awaitable[None], request: Request | None) -> bool:
+    """Run `work` while watching the client: False (and `work` cancelled) if the client hung
+    up first. The body has been read, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    if request is None:
+        await task
+        return True
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.done() and not task.cancelled():
+        task.result()  # its failure, if any, is the request's
+        return True
+    return False
 
 
 # --- metrics --------------------------------------------------------------------------------------
@@ -448,7 +480,9 @@ def create_app(
         req = parse(CompletionRequest, await read_json(request, options.max_body_bytes))
         gw.check_model(req.model)
         submission = tr.completion_submission(req, gw.tokenizer)
-        return await gw.answer(replace(submission, client_id=client), req, chat=False)
+        return await gw.answer(
+            replace(submission, client_id=client), req, chat=False, request=request
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -456,7 +490,9 @@ def create_app(
         req = parse(ChatCompletionRequest, await read_json(request, options.max_body_bytes))
         gw.check_model(req.model)
         submission = tr.chat_submission(req, gw.tokenizer, options.context)
-        return await gw.answer(replace(submission, client_id=client), req, chat=True)
+        return await gw.answer(
+            replace(submission, client_id=client), req, chat=True, request=request
+        )
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -226,6 +226,35 @@ async def test_client_going_away_mid_stream_cancels_the_request(system: System) 
         await nc.drain()
 
 
+async def test_client_going_away_before_a_whole_answer_cancels_the_request(
+    system: System,
+) -> None:
+    """A non-streaming client gives up (its own timeout) while the model still generates: the
+    gateway sees the disconnect and cancels the request; the record says cancelled."""
+    ns = ev.Namespace(system.settings.namespace)
+    nc = await nats.connect(system.settings.nats_url)
+    cancelled: asyncio.Queue[tuple[float, dict[str, object]]] = asyncio.Queue()
+
+    async def heard(msg: Msg) -> None:
+        await cancelled.put((time.monotonic(), json.loads(msg.data)))
+
+    await nc.subscribe(ns.subject(ev.RequestCancelled.SUBJECT), cb=heard)
+    try:
+        body = {
+            "model": system.model, "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        }  # fmt: skip
+        async with httpx.AsyncClient(timeout=3.0) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(f"{system.base_url}/chat/completions", json=body)
+        gone_at = time.monotonic()
+        at, event = await asyncio.wait_for(cancelled.get(), 30)
+        assert event["reason"] == "client_disconnected", event
+        print(f"cancelled {at - gone_at:.3f} s after the client hung up")
+    finally:
+        await nc.drain()
+
+
 def test_worker_logs_name_the_address(system: System) -> None:
     log = system.workers["gateway-0"].log()
     assert f"OpenAI-compatible API on {system.base_url}" in log

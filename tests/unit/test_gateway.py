@@ -574,6 +574,48 @@ async def test_client_disconnect_mid_stream_cancels_the_request(rig: Callable[..
     assert r.backend.closed == [rid]  # it stopped following the reply subject
 
 
+async def test_client_disconnect_while_waiting_for_a_whole_answer_cancels_within_a_second(
+    rig: Callable[..., Rig],
+) -> None:
+    """A non-streaming client hangs up while the model generates: the request is cancelled
+    (it ran on before, nobody left to read it)."""
+    generating = asyncio.Event()
+
+    async def endless(rid: str, sub: Submission) -> AsyncIterator[Any]:
+        yield admitted(rid)
+        yield chunk(rid, 0, 1, "Once")
+        generating.set()
+        await asyncio.Event().wait()  # the model is still generating
+        yield final(rid, 1)
+
+    r = rig(endless)
+    body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await generating.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5001), "server": ("gw", 80),
+    }  # fmt: skip
+    await asyncio.wait_for(r.app(scope, receive, send), 1.0)  # type: ignore[arg-type]
+    await asyncio.wait_for(r.gateway.drain(), 1.0)
+    ((rid, _),) = r.backend.submitted
+    assert r.backend.cancels == [(rid, "client_disconnected")]
+    assert r.backend.closed == [rid]
+
+
 async def test_bus_down_is_503(rig: Callable[..., Rig]) -> None:
     r = rig()
     r.backend.connected = False
