@@ -262,9 +262,8 @@ class Reaper:
             detail=detail,
             reply_to=work.reply_to,
         )
-        if ended:
+        if ended:  # the Ender logs why
             metrics.REQUESTS_ENDED_BY_CONDUCTOR.labels("failed", reason).inc()
-            log.warning("request %s failed at %s: %s %s", work.request_id, role, reason, detail)
         self.view.apply(cl.RequestDropped(work.request_id), self._clock())
 
 

@@ -14,6 +14,7 @@ publish it on the request's `reply_to`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -24,6 +25,8 @@ from mooncake import events as ev
 from mooncake.bus import terminal
 from mooncake.bus.publish import Publisher
 from mooncake.work import TokenChunk
+
+log = logging.getLogger("mooncake.ending")
 
 Terminal = ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled
 SendFinal = Callable[[TokenChunk], Awaitable[None]]
@@ -79,8 +82,11 @@ class Ender:
             detail=detail[:2000],
         )  # fmt: skip
         error = f"{reason}: {detail}"[:2000] if detail else reason
-        return await self.end(event, final(request_id, index, "failed", error),
-                              reply_to=reply_to, send=send)  # fmt: skip
+        ended = await self.end(event, final(request_id, index, "failed", error),
+                               reply_to=reply_to, send=send)  # fmt: skip
+        if ended:  # the role's log says why, not only the record
+            log.warning("request %s failed at %s: %s", request_id, stage, error)
+        return ended
 
     async def cancel(
         self,

@@ -6,12 +6,14 @@ decode work out, and the prompt's KV in the store equal to a local prefill of th
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
+import pytest
 import pytest_asyncio
 import torch
 from nats.aio.client import Client as NATS
@@ -301,8 +303,9 @@ async def test_cancel_mid_prefill_stops_and_revokes_the_put(rig: Rig) -> None:
     await r.wait_event(ev.RequestPrefilled, "req-c2")
 
 
-async def test_invalid_prompt_fails_the_request(rig: Rig) -> None:
+async def test_invalid_prompt_fails_the_request(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     r = rig
+    caplog.set_level(logging.WARNING, logger="mooncake.ending")
     await r.submit("req-bad", [1, 2, 5000])  # beyond the dummy vocabulary of 1024
     await r.wait_event(ev.RequestFailed, "req-bad")
     await r.idle()
@@ -313,6 +316,9 @@ async def test_invalid_prompt_fails_the_request(rig: Rig) -> None:
     assert r.chunks[-1].done and r.chunks[-1].finish_reason == "failed"
     assert await terminal.ended(r.worker._terminal, "req-bad") == "failed"
     assert not r.decode_work("req-bad")
+    # The role's log says why too (before: only the record did).
+    said = [m for m in caplog.messages if "req-bad" in m]
+    assert said == [f"request req-bad failed at prefill: invalid_prompt: {failed.detail}"]
 
 
 async def test_expired_or_ended_requests_are_skipped(rig: Rig) -> None:
