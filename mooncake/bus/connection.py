@@ -121,6 +121,9 @@ async def connect(
         log.warning("nats error (%s): %s", name, exc)
 
     async def _on_disconnect() -> None:
+        if nc.is_closed:  # closed or drained on purpose (nats-py sets CLOSED before this)
+            log.debug("nats connection closed (%s)", name)
+            return
         log.warning("nats disconnected (%s)", name)
 
     async def _on_reconnect() -> None:

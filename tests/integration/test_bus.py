@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 
 import nats
@@ -223,3 +224,21 @@ async def test_without_prefetch_a_long_handler_gets_each_message_once(
         stop.set()
         await asyncio.wait_for(task, 10)
         await nc.close()
+
+
+async def test_closing_on_purpose_is_not_logged_as_a_disconnect(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`make demo` ended with `nats disconnected (replay)` warnings: a client that drains or
+    closes its own connection logs nothing at warning level."""
+    from mooncake.bus.connection import connect
+
+    caplog.set_level(logging.DEBUG, logger="mooncake.bus.connection")
+    for end in ("drain", "close"):
+        nc = await connect(settings, f"purposeful-{end}")
+        await (nc.drain() if end == "drain" else nc.close())
+    warnings = [r.message for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == []
+    closed = [r.message for r in caplog.records if "connection closed" in r.message]
+    assert closed == ["nats connection closed (purposeful-drain)",
+                      "nats connection closed (purposeful-close)"]  # fmt: skip
