@@ -183,10 +183,17 @@ class ChatCompletionRequest(SamplingFields):
 # --- responses ----------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    # Prompt tokens whose KV the Conductor admitted the request to reuse (its prefix in the
+    # cache pool or the instance's own), rather than compute.
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 FinishReason = Literal["stop", "length"] | None

@@ -35,6 +35,7 @@ from mooncake.gateway.schemas import (
     CompletionChoice,
     CompletionRequest,
     Delta,
+    PromptTokensDetails,
     SamplingFields,
     Usage,
 )
@@ -145,10 +146,12 @@ class InOrderText:
 
 def usage(prompt_tokens: int, out: Outcome) -> Usage:
     completion = len(out.tokens)
+    cached = int((out.decision or {}).get("cached_prefix_tokens") or 0)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=min(cached, prompt_tokens)),
     )
 
 

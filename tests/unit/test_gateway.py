@@ -357,7 +357,8 @@ async def test_non_streamed_completion_body(rig: Callable[..., Rig]) -> None:
     assert body["choices"] == [
         {"index": 0, "text": "Paris is nice", "logprobs": None, "finish_reason": "length"}
     ]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     await r.gateway.drain()
     assert r.backend.cancels == []  # it finished: nothing to cancel
 
@@ -372,6 +373,16 @@ async def test_non_streamed_chat_body_read_by_the_openai_client(rig: Callable[..
     assert got.choices[0].message.content == "Bonjour!"
     assert got.choices[0].finish_reason == "stop"
     assert got.usage is not None and got.usage.completion_tokens == 2
+
+
+async def test_usage_counts_the_prompt_tokens_served_from_the_cache(
+    rig: Callable[..., Rig],
+) -> None:
+    decision = admitted("r", prompt_tokens=40) | {"cached_prefix_tokens": 32}
+    r = rig(replies(decision, chunk("r", 0, 1, "Hi"), final("r", 1)))
+    got = await r.openai().completions.create(model=MODEL, prompt=[1] * 40, max_tokens=1)
+    assert got.usage is not None and got.usage.prompt_tokens_details is not None
+    assert got.usage.prompt_tokens_details.cached_tokens == 32
 
 
 async def test_streamed_completion_is_sse_then_done(rig: Callable[..., Rig]) -> None:
