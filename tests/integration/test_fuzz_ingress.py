@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -592,6 +593,23 @@ def test_fuzzed_batches_through_the_broker_are_all_accounted_for(
 
     async def check() -> None:
         js = procs.nc.jetstream()
+        # Every submitter that named a readable reply_to must hear its decision there.
+        told = {
+            s.request_id for s in samples
+            if s.request_id is not None and ev.sniff_reply_to(s.data) == "fz.reply"
+        }  # fmt: skip
+        replied: set[str] = set()
+        all_told = asyncio.Event()
+        if not told:
+            all_told.set()
+
+        async def reply(msg: Msg) -> None:
+            with contextlib.suppress(ValueError, AttributeError):
+                replied.add(str(json.loads(msg.data).get("request_id")))
+            if told <= replied:
+                all_told.set()
+
+        inbox = await procs.nc.subscribe(submitted_base("x")["reply_to"], cb=reply)
         acks = [await js.publish(ns.of(ev.RequestSubmitted), s.data) for s in samples]
         good = ev.RequestSubmitted(request_id=fresh_id("good"), token_ids=[1, 2, 3])
         await Publisher(procs.nc, js, ns).publish(good)
@@ -626,6 +644,16 @@ def test_fuzzed_batches_through_the_broker_are_all_accounted_for(
             url, "SELECT status FROM requests WHERE request_id = %s", good.request_id
         )
         assert status == [("admitted",)], status
+        # Every rejection says why.
+        undetailed = await _rows(
+            url, "SELECT request_id, payload FROM events WHERE request_id = ANY(%s) AND "
+            "type = 'request.rejected' AND coalesce(payload->>'detail', '') = ''", readable,
+        )  # fmt: skip
+        assert undetailed == [], undetailed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(all_told.wait(), 10)
+        await inbox.unsubscribe()
+        assert told <= replied, sorted(told - replied)
 
     procs.run_with_fake_instances(check())
 
