@@ -1,6 +1,7 @@
 """The OpenAI-compatible gateway against the running system, driven by the official `openai`
-client: real worker processes (store master, Conductor, one prefill and one decode worker
-running SmolLM2-135M-Instruct, the gateway) over a real NATS.
+client and by a corpus of hostile bodies: real worker processes (recorder, store master,
+Conductor, one prefill and one decode worker running SmolLM2-135M-Instruct, the gateway) over
+a real NATS and Postgres.
 
 The Conductor runs the `early` admission policy with a 0.1 s TTFT SLO: short prompts are
 admitted, and a prompt whose predicted prefill alone breaks the SLO is rejected, which the
@@ -14,11 +15,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import nats
 import openai
+import psycopg
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from nats.aio.msg import Msg
 
 from mooncake import events as ev
@@ -30,6 +35,7 @@ from helpers import Worker
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ROLES = (
+    ("recorder", "recorder-0"),
     ("store-master", "store-master-0"),
     ("conductor", "conductor-0"),
     ("prefill", "prefill-0"),
@@ -76,10 +82,13 @@ def _wait_ready(system: System, within_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def system(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+def system(
+    nats_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[System]:
     tmp = tmp_path_factory.mktemp("gateway")
     settings = Settings(
         nats_url=nats_url,
+        database_url=database_url,
         namespace="g" + uuid.uuid4().hex[:10],
         data_dir=tmp / "data",
         block_tokens=16,
@@ -258,3 +267,120 @@ async def test_client_going_away_before_a_whole_answer_cancels_the_request(
 def test_worker_logs_name_the_address(system: System) -> None:
     log = system.workers["gateway-0"].log()
     assert f"OpenAI-compatible API on {system.base_url}" in log
+
+
+# --- a corpus of hostile bodies (issue 18) --------------------------------------------------------
+
+SURROGATE = "a\ud800b"  # a lone UTF-16 surrogate: JSON allows the escape, it is not text
+HOSTILE_VALUES = st.sampled_from([
+    None, True, 0, -1, 2**63, 10**30, 1e308, -0.0, "", "x" * 70_000, SURROGATE, "\u0000",
+    [], {}, [[[[[[[[[[]]]]]]]]]], {"a": {"b": {"c": None}}}, ["stop"] * 50, "\ufeff\u202e",
+])  # fmt: skip
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                  max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+# max_tokens only from values that are refused or tiny: a mutation must not start a long run.
+MAX_TOKENS = st.sampled_from([0, -1, 1, 3, 8191, 8192, 10**6, 10**7, 2**63, "4", 4.5, None])
+LONG_PROMPT_OVER_CONTEXT = "word " * 9_000  # ~9k tokens: over SmolLM2's 8,192
+
+
+def _bases(model: str) -> dict[str, dict[str, Any]]:
+    return {
+        "/v1/completions": {"model": model, "prompt": "Say hi", "max_tokens": 2},
+        "/v1/chat/completions": {
+            "model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Say hi"}],
+        },
+    }  # fmt: skip
+
+
+@st.composite
+def hostile_bodies(draw: st.DrawFn, model: str) -> tuple[str, bytes]:
+    route = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    body: Any = dict(_bases(model)[route])
+    kind = draw(st.sampled_from(["mutate", "mutate", "add", "drop", "max_tokens", "long",
+                                 "messages", "raw", "not-object"]))  # fmt: skip
+    if kind == "mutate":
+        key = draw(st.sampled_from(sorted(body)))
+        body[key] = draw(HOSTILE_VALUES | JSON)
+    elif kind == "add":
+        extra = ["stream", "stop", "n", "temperature", "top_p", "seed", "logprobs", "tools",
+                 "user", "stream_options", "max_completion_tokens", "top_k"]  # fmt: skip
+        body[draw(st.sampled_from(extra) | st.text(max_size=12))] = draw(HOSTILE_VALUES | JSON)
+    elif kind == "drop":
+        body.pop(draw(st.sampled_from(sorted(body))))
+    elif kind == "max_tokens":
+        body["max_tokens"] = draw(MAX_TOKENS)
+    elif kind == "long":
+        key = "prompt" if route == "/v1/completions" else "messages"
+        body[key] = (
+            LONG_PROMPT_OVER_CONTEXT
+            if key == "prompt"
+            else [{"role": "user", "content": LONG_PROMPT_OVER_CONTEXT}]
+        )
+    elif kind == "messages":
+        body["messages"] = draw(st.lists(
+            st.fixed_dictionaries({"role": HOSTILE_VALUES | st.sampled_from(
+                ["user", "system", "assistant", "developer", "tool"]),
+                "content": HOSTILE_VALUES | JSON}), max_size=3))  # fmt: skip
+    elif kind == "raw":
+        return route, draw(st.binary(max_size=200))
+    else:
+        body = draw(JSON.filter(lambda v: not isinstance(v, dict)))
+    return route, json.dumps(body).encode()
+
+
+def test_hostile_bodies_get_a_clear_answer_and_each_request_ends_once(system: System) -> None:
+    """200 hostile bodies (hypothesis, derandomized) against the running gateway: every one gets
+    a status under 500 with an OpenAI error naming the problem, or an answer; then every
+    request that reached the bus has exactly one terminal event in the record, and every
+    rejection there says why."""
+    root = system.base_url.removesuffix("/v1")
+    corpus: list[str] = []
+    statuses: dict[int, int] = {}
+
+    @settings(
+        max_examples=200, derandomize=True, deadline=None, database=None,
+        suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate],
+    )  # fmt: skip
+    @given(data=st.data())
+    def one(data: st.DataObject) -> None:
+        route, body = data.draw(hostile_bodies(system.model))
+        resp = httpx.post(f"{root}{route}", content=body, timeout=60,
+                          headers={"content-type": "application/json"})  # fmt: skip
+        statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+        assert resp.status_code < 500, (resp.status_code, resp.text[:500], body[:300])
+        if resp.status_code >= 400:
+            error = resp.json()["error"]
+            assert error["message"].strip() and error["type"], error
+        if rid := resp.headers.get("x-request-id"):
+            corpus.append(rid)
+
+    one()
+    print(f"statuses {dict(sorted(statuses.items()))}, {len(corpus)} reached the bus")
+    assert sum(statuses.values()) >= 200 and corpus  # the corpus ran, and some got through
+    url = (system.settings.database_url or "").replace("postgresql+psycopg://", "postgresql://")
+    terminal = ["request.completed", "request.failed", "request.cancelled", "request.rejected"]
+    deadline = time.monotonic() + 60
+    while True:
+        with psycopg.connect(url) as conn:
+            counts = dict(conn.execute(
+                "SELECT request_id, count(*) FROM events WHERE request_id = ANY(%s) "
+                "AND type = ANY(%s) GROUP BY request_id", (corpus, terminal),
+            ).fetchall())  # fmt: skip
+            undetailed = conn.execute(
+                "SELECT request_id, payload->>'reason' FROM events WHERE request_id = ANY(%s) "
+                "AND type = 'request.rejected' AND coalesce(payload->>'detail', '') = ''",
+                (corpus,),
+            ).fetchall()
+        if len(counts) == len(set(corpus)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    missing = sorted(set(corpus) - set(counts))
+    assert missing == [], f"{len(missing)} of {len(set(corpus))} never ended: {missing[:10]}"
+    assert {rid: n for rid, n in counts.items() if n != 1} == {}
+    assert undetailed == []
