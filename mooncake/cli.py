@@ -184,7 +184,7 @@ async def _submit(
     until: Until,
 ) -> None:
     from mooncake.bus.connection import connect
-    from mooncake.client import TERMINAL_TYPES
+    from mooncake.client import TERMINAL_TYPES, SystemDown, check_admitting
     from mooncake.client import submit as do_submit
     from mooncake.events import Namespace
 
@@ -200,6 +200,11 @@ async def _submit(
     got = False
     try:
         ns = Namespace(settings.namespace)
+        try:
+            await check_admitting(nc, ns)
+        except SystemDown as exc:  # published now, it would wait unseen for a later `up`
+            err.print(f"[red]not submitted:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(1) from exc
         replies = do_submit(
             nc,
             prompt,

@@ -23,6 +23,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from mooncake import events as ev
+from mooncake.bus.consume import ConsumerSpec
 from mooncake.bus.publish import Publisher
 
 log = logging.getLogger("mooncake.client")
@@ -236,3 +237,47 @@ async def fill_from_copy(
         out.fill(chunk.model_dump(mode="json"))
         if not out.missing():
             break
+
+
+# The Conductor's durable consumer of submissions (canonical names; the worker makes it).
+SUBMISSIONS = ConsumerSpec("MC_REQ", "conductor", ev.RequestSubmitted.SUBJECT)
+BUSY_WITHIN_S = 10.0  # a delivery this recent means a Conductor is taking submissions
+
+
+class SystemDown(RuntimeError):
+    """No Conductor takes submissions: a request published now would wait in the stream
+    for one (a later `mooncake up` would serve it), and its client would hear nothing."""
+
+
+async def check_admitting(nc: NATS, ns: ev.Namespace, within_s: float = 3.0) -> None:
+    """Return when a Conductor takes submissions in `ns`; SystemDown (saying why) if none
+    does within `within_s`. Read from the Conductor's consumer: a waiting pull request (an
+    idle Conductor always has one) or a delivery in the last `BUSY_WITHIN_S` (a busy one)."""
+    from nats.js.errors import NotFoundError
+
+    spec = SUBMISSIONS.within(ns)
+    js = nc.jetstream()
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            info = await js.consumer_info(spec.stream, spec.durable)
+        except NotFoundError as exc:
+            if time.monotonic() < deadline:  # a Conductor may be making it right now
+                await asyncio.sleep(0.2)
+                continue
+            raise SystemDown(
+                f"no Conductor has run in namespace {ns.prefix!r} on this broker (no "
+                f"{spec.durable!r} consumer on {spec.stream}); start the system with "
+                "`mooncake up`"
+            ) from exc
+        last = info.delivered.last_active if info.delivered is not None else None
+        age = (time.time() - last.timestamp()) if last is not None else None
+        if info.num_waiting > 0 or (age is not None and age < BUSY_WITHIN_S):
+            return
+        if time.monotonic() >= deadline:
+            since = f"for {age:.0f} s" if age is not None else "ever"
+            raise SystemDown(
+                f"no Conductor is taking submissions in namespace {ns.prefix!r} (none has pulled "
+                f"one {since}, {info.num_pending} waiting): is `mooncake up` running?"
+            )
+        await asyncio.sleep(0.2)

@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 
 from mooncake import events as ev
 from mooncake.bus.connection import connect
-from mooncake.client import Outcome, ask
+from mooncake.client import Outcome, ask, check_admitting
 from mooncake.config import Settings
 from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
 from mooncake.trace_fit import FitMode, fit_trace
@@ -136,8 +136,14 @@ def summarize(
 
 
 async def run_live_replay(
-    settings: Settings, opts: LiveReplayOptions, on_done: Progress | None = None
+    settings: Settings,
+    opts: LiveReplayOptions,
+    on_done: Progress | None = None,
+    *,
+    check_system: bool = False,
 ) -> dict[str, Any]:
+    """Replay the trace against the live system. `check_system`: first make sure a Conductor
+    takes submissions (`client.SystemDown` if none does), as the CLI does."""
     if opts.speed <= 0:
         raise ValueError("--speed must be > 0")
     if opts.limit is not None and opts.limit < 1:
@@ -147,6 +153,12 @@ async def run_live_replay(
         raise ValueError(f"{opts.trace} holds no requests" + (" that fit" if fitted else ""))
     ns = ev.Namespace(settings.namespace)
     nc = await connect(settings, "replay", connect_timeout=3, max_reconnect_attempts=3)
+    if check_system:
+        try:
+            await check_admitting(nc, ns)
+        except BaseException:
+            await nc.close()
+            raise
     prefilled: dict[str, dict[str, Any]] = {}
 
     async def on_prefilled(msg: Msg) -> None:

@@ -48,6 +48,7 @@ from mooncake.bus.consume import (
     per_message,
 )
 from mooncake.bus.publish import MSG_ID
+from mooncake.client import SUBMISSIONS
 from mooncake.config import Settings
 from mooncake.core import admission, ingress
 from mooncake.core import cluster as cl
@@ -75,7 +76,7 @@ from workers.runtime import WorkerContext, configure_logging, worker_context
 
 log = logging.getLogger("mooncake.conductor")
 
-SUBMITTED = ConsumerSpec("MC_REQ", "conductor", ev.RequestSubmitted.SUBJECT)
+SUBMITTED = SUBMISSIONS  # the client checks it for a live Conductor (`check_admitting`)
 CANCELS = ConsumerSpec("MC_REQ", "conductor-cancel", ev.CancelRequested.SUBJECT)
 REQUEST_IDS_BUCKET = "MC_REQUEST_IDS"  # canonical; namespaced like the streams
 REQUEST_ID_TTL_S = 24 * 3600.0

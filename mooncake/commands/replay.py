@@ -267,6 +267,7 @@ def _live_options(
 def _replay_live(settings: Any, opts: LiveReplayOptions, as_json: bool) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from mooncake.client import SystemDown
     from mooncake.replay_live import run_live_replay
     from mooncake.trace import TraceError
 
@@ -279,7 +280,10 @@ def _replay_live(settings: Any, opts: LiveReplayOptions, as_json: bool) -> None:
             progress.advance(task)
 
         try:
-            result = asyncio.run(run_live_replay(settings, opts, done))
+            result = asyncio.run(run_live_replay(settings, opts, done, check_system=True))
+        except SystemDown as exc:
+            err.print(f"[red]replay: nothing sent:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(1) from exc
         except (TraceError, ValueError, OSError) as exc:
             err.print(f"[red]replay:[/red] {exc}", soft_wrap=True)
             raise typer.Exit(2) from exc

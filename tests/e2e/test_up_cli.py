@@ -47,7 +47,8 @@ def test_up_submit_and_clean_shutdown(tmp_path: Path) -> None:
         # The second terminal: no flags, it reads .mooncake/runtime.env.
         sub_env = {k: v for k, v in env.items() if k != "MOONCAKE_NATS_URL"}
         answer = ""
-        for _ in range(3):  # the workers may still be starting
+        tries_until = time.monotonic() + 90
+        while time.monotonic() < tries_until:  # the workers may still be starting
             res = subprocess.run(
                 _mooncake(
                     "submit", "What is the capital of France?", "--timeout", "20",
@@ -58,6 +59,7 @@ def test_up_submit_and_clean_shutdown(tmp_path: Path) -> None:
             answer = res.stdout + res.stderr
             if "admitted" in answer:
                 break
+            time.sleep(1)  # `submit` fails within seconds while no Conductor takes requests
         assert "admitted" in answer, answer
         bad = subprocess.run(
             _mooncake("submit", "   "), cwd=tmp_path, env=sub_env, capture_output=True, text=True

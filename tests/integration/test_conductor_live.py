@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -30,6 +32,7 @@ from mooncake.bus import terminal
 from mooncake.bus.connection import ensure_streams
 from mooncake.bus.consume import PullConsumer
 from mooncake.bus.publish import Publisher
+from mooncake.client import SystemDown, check_admitting
 from mooncake.config import BusSettings, ConductorSettings, DummyModel, EngineSettings, Settings
 from mooncake.hashing import block_keys
 from mooncake.serving import conductor_dispatch as dispatch
@@ -552,3 +555,40 @@ async def test_what_cannot_fit_the_context_is_rejected_before_any_work(
         assert (work.request_id, work.params.max_tokens) == ("r-room", 24)
         await msg.ack()
         await p1_work.unsubscribe()
+
+
+async def test_submit_against_a_stopped_system_fails_fast_and_sends_nothing(
+    nats_url: str, namespace: str
+) -> None:
+    """`mooncake submit` / `replay` check that a Conductor takes submissions before they
+    publish: a request sent to a stopped system would sit in MC_REQ for a later `up` while
+    its client heard nothing."""
+    s = live_settings(nats_url, namespace)
+    ns = ev.Namespace(s.namespace)
+    nc = await nats.connect(nats_url)
+    try:
+        with pytest.raises(SystemDown, match="no Conductor has run"):
+            await check_admitting(nc, ns)
+        async with live(s):
+            await check_admitting(nc, ns, within_s=5)  # an idle Conductor: a pull is waiting
+        started = time.monotonic()
+        with pytest.raises(SystemDown, match="is `mooncake up` running"):
+            await check_admitting(nc, ns)
+        assert time.monotonic() - started < 5
+        stream = ns.stream("MC_REQ")
+        before = (await nc.jetstream().stream_info(stream)).state.messages
+        env = {**os.environ, "MOONCAKE_NATS_URL": nats_url, "MOONCAKE_NAMESPACE": s.namespace,
+               "MOONCAKE_ENGINE__MODEL": "dummy"}  # fmt: skip
+        started = time.monotonic()
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "mooncake.cli", "submit", "hello", env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, errs = await asyncio.wait_for(cli.communicate(), 30)
+        took = time.monotonic() - started
+        said = (out + errs).decode()
+        assert cli.returncode == 1 and "not submitted" in said and "mooncake up" in said, said
+        assert took < 15, took  # 3 s of checking inside an interpreter's start-up
+        assert (await nc.jetstream().stream_info(stream)).state.messages == before
+    finally:
+        await nc.drain()
