@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
 from rich.live import Live
 
 from mooncake.cli_common import KV_CACHE_HELP, console, err, settings_or_exit
@@ -56,15 +57,37 @@ def _require_db(settings: Settings) -> str:
 def up(
     workers: Annotated[bool, typer.Option(help="Start the worker processes")] = True,
     kv_cache_bytes: Annotated[str | None, typer.Option(help=KV_CACHE_HELP)] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            help="An existing Postgres (MOONCAKE_DATABASE_URL); default: an embedded "
+            "one under the data directory"
+        ),
+    ] = None,
+    metrics: Annotated[
+        bool, typer.Option(help="Each worker serves Prometheus /metrics (ports in the table)")
+    ] = True,
 ) -> None:
-    """Start what is missing (broker, database), migrate, start every worker; Ctrl-C stops."""
-    from mooncake.stack import Stack, status_table
+    """Start the broker (unless one answers at MOONCAKE_NATS_URL) and the database (unless
+    --database-url names one), migrate, start every worker; Ctrl-C stops."""
+    from mooncake.config import RUNTIME_ENV
+    from mooncake.stack import Stack, other_system, running_up, status_table
 
-    settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes)
-    stack = Stack(settings)
+    if RUNTIME_ENV.exists():  # what an `up` in this directory wrote for `submit` to find it
+        if (pid := running_up(RUNTIME_ENV)) is not None:
+            err.print(f"[red]`mooncake up` (pid {pid}) already runs here[/red] ({RUNTIME_ENV}); "
+                      "stop it first")  # fmt: skip
+            raise typer.Exit(1)
+        RUNTIME_ENV.unlink()  # an `up` that was killed left it: its addresses are dead
+        err.print(f"[yellow]removed {RUNTIME_ENV}, left by an `up` that did not stop[/yellow]")
+    settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes, database_url=database_url)
+    stack = Stack(settings, metrics=metrics)
     try:
         with console.status("starting infrastructure"):
             stack.start_infrastructure()
+        if workers and stack.nats is None and (why := other_system(settings, stack.nats_url)):
+            err.print(f"[red]not started:[/red] {why}", soft_wrap=True)
+            raise typer.Exit(1)
         if workers:
             console.print(stack.kv_statement())
             stack.start_workers()
@@ -72,10 +95,14 @@ def up(
             f'logs in {settings.data_dir / "logs"}; `mooncake submit "hello"` in another '
             "terminal; Ctrl-C to stop"
         )
-        # A live table on a terminal (refreshed every second); elsewhere (a pipe, a log) the
-        # table is printed once now and once at shutdown.
-        with Live(status_table(stack), console=console, refresh_per_second=1) as live:
-            _wait_for_signal(stack, lambda: live.update(status_table(stack)))
+        if console.is_terminal:  # a live table, refreshed every second
+            with Live(status_table(stack), console=console, refresh_per_second=1) as live:
+                _wait_for_signal(stack, lambda: live.update(status_table(stack)))
+        else:  # a pipe or a log file: the table now, and again at shutdown, a line a row
+            wide = Console(file=console.file, width=max(console.width, 200))
+            wide.print(status_table(stack))
+            _wait_for_signal(stack)
+            wide.print(status_table(stack))
     finally:
         with console.status("stopping"):
             stack.stop()

@@ -51,6 +51,7 @@ class WorkerProcess(ManagedProcess):
     role: str = ""
     started_at: float = field(default_factory=time.monotonic)
     restarts: int = 0
+    metrics_url: str | None = None  # its Prometheus endpoint, when the stack turned them on
 
     def rss_mb(self) -> float | None:
         """Resident memory of the process, MiB (None when it is not running)."""
@@ -74,6 +75,9 @@ class Stack:
     store_secret: str = field(default_factory=lambda: secrets.token_hex(32))
     # Where the gateway listens, chosen once when it first starts (restarts keep it).
     gateway_port: int | None = None
+    # Every worker serves Prometheus /metrics on a port of its own (`up`; the status table
+    # lists them). Off: what the settings say (`metrics_port`, -1 = off by default).
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         configured = self.settings.store.secret
@@ -102,7 +106,7 @@ class Stack:
         path = self.settings.data_dir / "runtime.env"
         path.write_text(
             f"MOONCAKE_NATS_URL={self.nats_url}\nMOONCAKE_DATABASE_URL={self.database_url}\n"
-            f"MOONCAKE_STORE__SECRET={self.store_secret}\n"
+            f"MOONCAKE_STORE__SECRET={self.store_secret}\nMOONCAKE_UP_PID={os.getpid()}\n"
         )
         path.chmod(0o600)  # it holds the store's cluster secret
         return path
@@ -173,7 +177,13 @@ class Stack:
         name = f"{role}-{index}"
         argv = [sys.executable, "-m", "mooncake.cli", "worker", role, "--instance", name]
         log_path = self.settings.data_dir / "logs" / f"{name}.log"
-        w = WorkerProcess(name, argv, log_path, 0, env=self.child_env(), role=role)
+        env, metrics_url = self.child_env(), None
+        if self.metrics:
+            host = self.settings.metrics_host
+            port = free_port(host)
+            env["MOONCAKE_METRICS_PORT"] = str(port)
+            metrics_url = f"http://{host}:{port}/metrics"
+        w = WorkerProcess(name, argv, log_path, 0, env=env, role=role, metrics_url=metrics_url)
         w.spawn()
         self.workers.append(w)
         return w
@@ -214,6 +224,8 @@ class Stack:
             where = f"pid {w.proc.pid if w.proc else '-'}"
             if w.role == "gateway" and self.gateway_url:
                 where += f", {self.gateway_url}"
+            if w.metrics_url:
+                where += f", metrics {w.metrics_url}"
             rss = w.rss_mb()
             rows.append(
                 (
@@ -228,10 +240,57 @@ class Stack:
         return rows
 
 
+def other_system(settings: Settings, nats_url: str) -> str | None:
+    """Why another system already serves this namespace on the broker at `nats_url` (its
+    Conductor takes submissions: a second `up` would share its streams, work and state), or
+    None."""
+    import asyncio
+
+    import nats
+
+    from mooncake.client import SystemDown, check_admitting
+    from mooncake.events import Namespace
+
+    async def probe() -> str | None:
+        nc = await nats.connect(nats_url, connect_timeout=3, max_reconnect_attempts=0)
+        try:
+            await check_admitting(nc, Namespace(settings.namespace), within_s=1.0)
+        except SystemDown:
+            return None
+        finally:
+            await nc.close()
+        return (
+            f"a Conductor already takes submissions in namespace {settings.namespace!r} on "
+            f"{nats_url}: another system uses this broker; set MOONCAKE_NAMESPACE to run "
+            "a second one beside it"
+        )
+
+    try:
+        return asyncio.run(probe())
+    except Exception:
+        return None
+
+
+def running_up(runtime_env: Path) -> int | None:
+    """The pid of the `mooncake up` that wrote `runtime_env` if it still runs; None when the
+    file is absent or stale (its `up` was killed: `stop` removes the file)."""
+    try:
+        lines = runtime_env.read_text().splitlines()
+    except OSError:
+        return None
+    values = dict(line.split("=", 1) for line in lines if "=" in line)
+    try:
+        pid = int(values.get("MOONCAKE_UP_PID", ""))
+    except ValueError:
+        return None
+    return pid if pid != os.getpid() and psutil.pid_exists(pid) else None
+
+
 def status_table(stack: Stack, title: str = "mooncake") -> Table:
     table = Table(title=title)
     for col in ("component", "address", "state", "up", "restarts", "memory"):
-        table.add_column(col)
+        # Addresses are folded onto more lines, never cut: they are there to be copied.
+        table.add_column(col, overflow="fold" if col == "address" else "ellipsis")
     for row in stack.status_rows():
         table.add_row(*row)
     return table

@@ -65,12 +65,23 @@ def test_up_submit_and_clean_shutdown(tmp_path: Path) -> None:
             _mooncake("submit", "   "), cwd=tmp_path, env=sub_env, capture_output=True, text=True
         )
         assert bad.returncode == 2 and "empty" in bad.stderr
+        # A second `up` in the same directory is refused: it would take over runtime.env.
+        twin = subprocess.run(
+            _mooncake("up"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert twin.returncode == 1 and "already runs here" in twin.stderr, twin.stderr
+        assert runtime.exists()
     finally:
         up.send_signal(signal.SIGINT)
         out, _ = up.communicate(timeout=60)
     text = out.decode(errors="replace")
     assert up.returncode == 0, text
     assert "stopped" in text
+    # Not a terminal: the status table was printed at start (and again at the stop), with
+    # every worker's metrics endpoint, and no address cut short.
+    assert text.count("component") == 2, text
+    assert text.count("metrics http://127.0.0.1:") >= 2 * 7, text
+    assert "…" not in text, text
     assert not runtime.exists(), "runtime.env must go when the system stops"
     nats_port = int(urls["MOONCAKE_NATS_URL"].rsplit(":", 1)[1])
     assert not tcp_reachable("127.0.0.1", nats_port), "the embedded broker must be stopped"

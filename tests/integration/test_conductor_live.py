@@ -37,6 +37,7 @@ from mooncake.config import BusSettings, ConductorSettings, DummyModel, EngineSe
 from mooncake.hashing import block_keys
 from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_reaper import Role, work_consumer
+from mooncake.stack import other_system
 from mooncake.store import protocol as sp
 from mooncake.work import DecodeWork, LoadReport, PrefillWork, TokenChunk, WorkSubjects
 from workers import conductor as conductor_worker
@@ -592,3 +593,13 @@ async def test_submit_against_a_stopped_system_fails_fast_and_sends_nothing(
         assert (await nc.jetstream().stream_info(stream)).state.messages == before
     finally:
         await nc.drain()
+
+
+async def test_a_second_up_on_a_shared_broker_is_told_a_system_runs_there(
+    nats_url: str, namespace: str
+) -> None:
+    s = live_settings(nats_url, namespace)
+    assert await asyncio.to_thread(other_system, s, nats_url) is None  # nobody there yet
+    async with live(s):
+        why = await asyncio.to_thread(other_system, s, nats_url)
+        assert why is not None and "MOONCAKE_NAMESPACE" in why and s.namespace in why
