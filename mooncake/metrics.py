@@ -3,7 +3,10 @@ against this registry)."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 BUS_HANDLED = Counter(
     "mc_bus_messages_total",
@@ -192,3 +195,21 @@ GATEWAY_REQUEST_SECONDS = Histogram(
 GATEWAY_IN_FLIGHT = Gauge(
     "mc_gateway_requests_in_flight", "HTTP requests the gateway is answering now", ["route"]
 )
+
+
+class Scoped:
+    """The registry's metric families whose names start with one of `prefixes`: what one
+    process exports when every role's metrics share this module (the others' unlabeled
+    counters would show as zero series of a role it does not play)."""
+
+    def __init__(self, *prefixes: str) -> None:
+        self.prefixes = prefixes
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if family.name.startswith(self.prefixes):
+                yield family
+
+
+# The gateway's own: its requests, what it publishes on the bus, the process.
+GATEWAY_SCOPE = Scoped("mc_gateway_", "mc_bus_", "process_", "python_")

@@ -513,6 +513,6 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.GATEWAY_SCOPE), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -661,6 +661,11 @@ async def test_metrics_count_requests_by_route_and_status(rig: Callable[..., Rig
     assert count("/v1/completions", "400") == before[1] + 1
     text = (await r.http.get("/metrics")).text
     assert 'mc_gateway_request_seconds_count{route="/v1/completions"}' in text
+    # Only the gateway's own series (and the process's): no other role's zero counters.
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    assert "mc_gateway_requests_total" in families and "process_cpu_seconds_total" in families
+    assert not [f for f in families if f.startswith("mc_") and not
+                f.startswith(("mc_gateway_", "mc_bus_"))], families  # fmt: skip
     await r.http.get("/v1/x/../random")
     assert REGISTRY.get_sample_value(
         "mc_gateway_requests_total", {"route": "other", "status": "404"}
