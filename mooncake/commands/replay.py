@@ -182,7 +182,7 @@ def replay(
     from_db: Annotated[
         bool, typer.Option("--from-db", help="Replay the arrivals recorded in Postgres")
     ] = False,
-    policy: Annotated[str, typer.Option(help="Admission: none|baseline|early|predicted")] = (
+    policy: Annotated[str, typer.Option(help="Admission policy: none, baseline, early or predicted")] = (
         "predicted"
     ),
     database_url: Annotated[

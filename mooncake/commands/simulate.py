@@ -21,7 +21,7 @@ def simulate_run(
     system: Annotated[str, typer.Option(help="mooncake|vllm|vllm-prefix|vllm-chunked")] = (
         "mooncake"
     ),
-    policy: Annotated[str, typer.Option(help="Admission: none|baseline|early|predicted")] = (
+    policy: Annotated[str, typer.Option(help="Admission policy: none, baseline, early or predicted")] = (
         "early"
     ),
     speed: Annotated[float, typer.Option(help="Replay speed factor")] = 1.0,
