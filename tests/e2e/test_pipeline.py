@@ -39,7 +39,6 @@ from helpers import Worker, wait_for
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 TRACE_SLICE = Path(__file__).parents[2] / "mooncake" / "data" / "conversation_head.jsonl"
-FINISHED = ("stop", "length", "failed")  # how a request the replay counted ended
 TERMINAL = ("request.completed", "request.failed", "request.cancelled", "request.rejected")
 LAYOUT = (
     ("recorder", "recorder-0"),
@@ -272,12 +271,15 @@ async def test_killed_prefill_and_decode_workers_lose_nothing(
     summary = await replay
     assert summary["requests"] == 50
     ids = [o.request_id for o in done]
+    # Nothing lost and nothing failed: one kill of each role leaves a live instance of each
+    # and attempts to spare, so every request completes (or is rejected, with its reason).
     open_ = {
         o.request_id: o.finish_reason
         for o in done
-        if o.admitted and o.finish_reason not in FINISHED
+        if o.admitted and o.finish_reason not in ("stop", "length")
     }
-    assert summary["completed"] + summary["rejected"] + summary["failed"] == 50, open_
+    assert summary["completed"] + summary["rejected"] == 50, open_
+    assert all(o.rejected_reason for o in done if not o.admitted), summary
 
     async def all_recorded() -> bool:
         return len(await terminal_counts(db, ids)) == 50
@@ -293,7 +295,7 @@ async def test_killed_prefill_and_decode_workers_lose_nothing(
         tokens, params = scaled_request(req, opts, pipeline.settings.hash_seed)
         assert out.token_ids == pipeline.expected(tokens, params.max_tokens), out.request_id
         checked += 1
-    assert checked >= 40, f"only {checked} of 50 completed"
+    assert checked == summary["completed"] > 0
 
 
 async def _true(v: bool) -> bool:
