@@ -543,6 +543,39 @@ async def test_timeout_is_504_and_cancels_the_request(rig: Callable[..., Rig]) -
     assert r.backend.cancels == [(resp.headers["x-request-id"], "timeout")]
 
 
+async def hang_up(
+    r: Rig,
+    body: dict[str, Any],
+    gone: asyncio.Event,
+    heard: Callable[[dict[str, Any]], None] = lambda message: None,
+) -> list[dict[str, Any]]:
+    """POST `body` to /v1/completions through the ASGI app as a client that hangs up (an
+    `http.disconnect`) once `gone` is set; what the app sent (each also to `heard`)."""
+    sent: list[dict[str, Any]] = []
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        heard(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5000), "server": ("gw", 80),
+    }  # fmt: skip
+    await r.app(scope, receive, send)  # type: ignore[arg-type]
+    return sent
+
+
 async def test_client_disconnect_mid_stream_cancels_the_request(rig: Callable[..., Rig]) -> None:
     going_on = asyncio.Event()
 
@@ -553,31 +586,14 @@ async def test_client_disconnect_mid_stream_cancels_the_request(rig: Callable[..
         yield final(rid, 1)
 
     r = rig(endless)
-    body = json.dumps({"model": MODEL, "prompt": "x", "stream": True}).encode()
     gone = asyncio.Event()
-    sent: list[dict[str, Any]] = []
-    requested = False
 
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
+    def heard(message: dict[str, Any]) -> None:
         if b"Once" in message.get("body", b""):
             gone.set()  # the client hangs up after the first text
 
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 5000), "server": ("gw", 80),
-    }  # fmt: skip
-    await asyncio.wait_for(r.app(scope, receive, send), 5)  # type: ignore[arg-type]
+    body = {"model": MODEL, "prompt": "x", "stream": True}
+    sent = await asyncio.wait_for(hang_up(r, body, gone, heard), 5)
     await r.gateway.drain()
     assert sent[0]["status"] == 200
     ((rid, _),) = r.backend.submitted
@@ -600,27 +616,7 @@ async def test_client_disconnect_while_waiting_for_a_whole_answer_cancels_within
         yield final(rid, 1)
 
     r = rig(endless)
-    body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
-    requested = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await generating.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        pass
-
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 5001), "server": ("gw", 80),
-    }  # fmt: skip
-    await asyncio.wait_for(r.app(scope, receive, send), 1.0)  # type: ignore[arg-type]
+    await asyncio.wait_for(hang_up(r, {"model": MODEL, "prompt": "x"}, generating), 1.0)
     await asyncio.wait_for(r.gateway.drain(), 1.0)
     ((rid, _),) = r.backend.submitted
     assert r.backend.cancels == [(rid, "client_disconnected")]
