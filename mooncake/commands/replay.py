@@ -182,9 +182,9 @@ def replay(
     from_db: Annotated[
         bool, typer.Option("--from-db", help="Replay the arrivals recorded in Postgres")
     ] = False,
-    policy: Annotated[str, typer.Option(help="Admission policy: none, baseline, early or predicted")] = (
-        "predicted"
-    ),
+    policy: Annotated[
+        str, typer.Option(help="Admission policy: none, baseline, early or predicted")
+    ] = "predicted",
     database_url: Annotated[
         str | None, typer.Option(help="Postgres URL (default: MOONCAKE_DATABASE_URL)")
     ] = None,

@@ -21,9 +21,9 @@ def simulate_run(
     system: Annotated[str, typer.Option(help="mooncake|vllm|vllm-prefix|vllm-chunked")] = (
         "mooncake"
     ),
-    policy: Annotated[str, typer.Option(help="Admission policy: none, baseline, early or predicted")] = (
-        "early"
-    ),
+    policy: Annotated[
+        str, typer.Option(help="Admission policy: none, baseline, early or predicted")
+    ] = "early",
     speed: Annotated[float, typer.Option(help="Replay speed factor")] = 1.0,
     limit: Annotated[int | None, typer.Option(help="First N requests only")] = None,
     prefill: Annotated[int, typer.Option(help="mooncake prefill instances")] = 8,
