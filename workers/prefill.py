@@ -56,8 +56,9 @@ from mooncake.bus.heartbeat import keep_alive
 from mooncake.bus.publish import MSG_ID
 from mooncake.config import Settings
 from mooncake.engine import Engine, EngineError
+from mooncake.engine.batch import is_stop_token
 from mooncake.engine.sampling import make_generator, sample
-from mooncake.serving.ending import Ender
+from mooncake.serving.ending import Ender, final, observe_completed
 from mooncake.serving.engine_tier import EngineTier
 from mooncake.serving.kvstore import TIERS, PrefillCancelled
 from mooncake.serving.local_store import LocalStore, local_store
@@ -250,7 +251,10 @@ class PrefillWorker:
         ctx = self._ctx
         token = first_token(self.engine, done, work.params)
         first_at = time.time()
-        if work.reply_to:
+        # A stop token first (EOS, say): the answer is empty and ends here, no decode. It is
+        # not sent as a token (a decoded stop token is not output either).
+        ends_here = is_stop_token(token, engine_params(work.params), self.engine.tokenizer)
+        if work.reply_to and not ends_here:
             text = self.engine.tokenizer.decode([token]) if self.engine.tokenizer else ""
             chunk = TokenChunk(request_id=work.request_id, index=0, token_ids=[token], text=text)
             await ctx.nc.publish(work.reply_to, chunk.to_json())
@@ -272,6 +276,38 @@ class PrefillWorker:
                 prefill_s=prefill_s,
             )
         )
+        if ends_here:
+            await self._completed_empty(work, done, first_at)
+        else:
+            await self._send_decode_work(work, done, token, first_at)
+        self._remember(work)
+        if remote:
+            self._replicate(done, work.local_blocks)
+        return ACK
+
+    async def _completed_empty(
+        self, work: PrefillWork, done: StoredPrefill, first_at: float
+    ) -> None:
+        """The request whose first token is a stop token: completed with no output. Its
+        partial tail block was stored for a decode that will not come: removed, as decode
+        removes it when a request ends."""
+        ttft = max(first_at - work.timing.submitted_at, 0.0)
+        event = ev.RequestCompleted(
+            event_id=event_id(work, "completed"), request_id=work.request_id,
+            output_tokens=0, finish_reason="stop", ttft_s=ttft,
+        )  # fmt: skip
+        last = final(work.request_id, 0, "stop")
+        if await self.ender.end(event, last, reply_to=work.reply_to):
+            observe_completed(ROLE, "stop", ttft, None)
+        if done.tail_key:
+            try:
+                await self.store.client.remove_many([done.tail_key], force=True)
+            except Exception as exc:  # it ages out of the pool like any unpinned object
+                log.debug("%s: tail not removed: %s", work.request_id, exc)
+
+    async def _send_decode_work(
+        self, work: PrefillWork, done: StoredPrefill, token: int, first_at: float
+    ) -> None:
         decode = DecodeWork(
             request_id=work.request_id,
             attempt=work.attempt,
@@ -292,13 +328,9 @@ class PrefillWorker:
             MSG_ID: ev.derived_event_id(work.admitted_event_id, f"decode-work-{work.attempt}")
         }
         inject_headers(headers)
-        await ctx.publisher.publish_raw(
+        await self._ctx.publisher.publish_raw(
             self.subjects.decode(work.decode_instance), decode.to_json(), headers
         )
-        self._remember(work)
-        if remote:
-            self._replicate(done, work.local_blocks)
-        return ACK
 
     def _replicate(self, done: StoredPrefill, local_blocks: int) -> None:
         """Keep copies of the blocks fetched from remote nodes (after the prefill: never on

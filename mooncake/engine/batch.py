@@ -24,6 +24,7 @@ from mooncake.engine.errors import EngineError
 from mooncake.engine.paged import PagedDecode
 from mooncake.engine.pool import PagedKV
 from mooncake.engine.sampling import SamplingParams, make_generator, sample
+from mooncake.engine.tokenizer import ChatTokenizer
 
 
 @dataclass
@@ -193,8 +194,7 @@ class DecodeBatch:
 
     def _accept(self, seq: Sequence, token: int) -> list[Completion]:
         p, tok = seq.params, self.engine.tokenizer
-        eos = tok.stop_ids if (tok is not None and p.stop_on_eos) else frozenset()
-        if token in p.stop_token_ids or token in eos:
+        if is_stop_token(token, p, tok):
             return [self._finish(seq, "stop")]
         seq.output.append(token)
         if tok is not None and p.stop:  # without stop strings the text is made at the end
@@ -215,6 +215,14 @@ class DecodeBatch:
             seq.text = tok.decode(seq.output)
         self._leave(seq)
         return Completion(seq.id, list(seq.output), seq.text, reason, seq.prompt_tokens)
+
+
+def is_stop_token(token: int, params: SamplingParams, tokenizer: ChatTokenizer | None) -> bool:
+    """Whether sampling `token` ends the sequence (a stop id the request names, or the
+    tokenizer's end-of-turn ids unless the request opted out): it is not part of the output."""
+    if token in params.stop_token_ids:
+        return True
+    return tokenizer is not None and params.stop_on_eos and token in tokenizer.stop_ids
 
 
 def generate(

@@ -20,7 +20,7 @@ from mooncake import metrics
 from mooncake.bus.consume import ACK, PullConsumer, Retry
 from mooncake.bus.heartbeat import Heartbeats
 from mooncake.serving.decode_jobs import Job
-from mooncake.serving.ending import Ender, Terminal, final
+from mooncake.serving.ending import Ender, Terminal, final, observe_completed
 from mooncake.serving.streaming import TokenStreamer
 from mooncake.store.client import StoreClient
 from mooncake.work import DecodeWork, TokenChunk
@@ -37,14 +37,6 @@ def slowest_tenth_mean(times: list[float]) -> float | None:
         return None
     worst = gaps[: max(1, len(gaps) // 10)]
     return sum(worst) / len(worst)
-
-
-def observe_completed(finish_reason: str, ttft_s: float, tbt_s: float | None) -> None:
-    """A request this worker completed (it won the terminal claim: counted once)."""
-    metrics.REQUESTS_ENDED.labels("completed", ROLE, finish_reason).inc()
-    metrics.TTFT_SECONDS.observe(ttft_s)
-    if tbt_s is not None:  # a single decoded token has no gap to score
-        metrics.TBT_SECONDS.observe(tbt_s)
 
 
 class DecodeEnds:
@@ -72,7 +64,7 @@ class DecodeEnds:
         )  # fmt: skip
         last = final(w.request_id, max(len(tokens), 1), finish, text=job.texts.rest(text))
         job.span.set_attribute("mc.output_tokens", len(tokens))
-        await self._end(job, event, last, lambda: observe_completed(finish, ttft, tbt))
+        await self._end(job, event, last, lambda: observe_completed(ROLE, finish, ttft, tbt))
 
     async def stopped(self, job: Job) -> None:
         """Cancelled by the client, past its deadline, or ended by another instance."""

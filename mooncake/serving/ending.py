@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from mooncake import events as ev
+from mooncake import metrics
 from mooncake.bus import terminal
 from mooncake.bus.publish import Publisher
 from mooncake.work import TokenChunk
@@ -122,3 +123,11 @@ def final(
         request_id=request_id, index=index, text=text, done=True, finish_reason=finish,
         error=error,
     )  # fmt: skip
+
+
+def observe_completed(stage: str, finish_reason: str, ttft_s: float, tbt_s: float | None) -> None:
+    """A request `stage` completed (it won the terminal claim: counted once)."""
+    metrics.REQUESTS_ENDED.labels("completed", stage, finish_reason).inc()
+    metrics.TTFT_SECONDS.observe(ttft_s)
+    if tbt_s is not None:  # a single decoded token has no gap to score
+        metrics.TBT_SECONDS.observe(tbt_s)

@@ -321,6 +321,27 @@ async def test_invalid_prompt_fails_the_request(rig: Rig, caplog: pytest.LogCapt
     assert said == [f"request req-bad failed at prefill: invalid_prompt: {failed.detail}"]
 
 
+async def test_a_stop_token_first_completes_the_request_empty_without_decode(rig: Rig) -> None:
+    """The first token is a stop token (EOS, here one the request names): the answer is
+    empty. The prefill completes it itself (no decode work) with output_tokens 0, and the
+    client's stream agrees: no token chunk, a final chunk at index 0 (before: the stop token
+    went out as token 0 and the record said 0 tokens)."""
+    r = rig
+    toks = tokens(37, 7)  # 2 whole blocks + a tail of 5
+    first = int(torch.argmax(r.reference.prefill(toks).logits))
+    await r.submit("req-eos", toks, params={"stop_token_ids": [first]})
+    await r.wait_event(ev.RequestCompleted, "req-eos")
+    await r.idle()
+    [done] = r.of(ev.RequestCompleted, "req-eos")
+    assert isinstance(done, ev.RequestCompleted)
+    assert (done.output_tokens, done.finish_reason) == (0, "stop") and done.ttft_s is not None
+    assert r.of(ev.RequestPrefilled, "req-eos") and not r.decode_work("req-eos")
+    mine = [c for c in r.chunks if c.request_id == "req-eos"]
+    assert mine == [TokenChunk(request_id="req-eos", index=0, done=True, finish_reason="stop")]
+    assert await terminal.ended(r.worker._terminal, "req-eos") == "completed"
+    assert await r.store.get_many([tail_key("req-eos", 1)]) == [None]  # nobody will read it
+
+
 async def test_expired_or_ended_requests_are_skipped(rig: Rig) -> None:
     r = rig
     past = Timing(submitted_at=time.time() - 5, deadline_at=time.time() - 1)
