@@ -226,6 +226,21 @@ class DecodeResumed(RequestEvent):
     waited_s: Annotated[float, Field(ge=0)] = 0.0
 
 
+class DecodeStopped(RequestEvent):
+    """A decode instance stopped a request it was streaming because the request was
+    cancelled (by its client, its deadline, or the Conductor): how many output tokens the
+    client had been sent. Whoever publishes the `request.cancelled` may not know that (the
+    Conductor does not), so this fact may be recorded before or after it."""
+
+    SUBJECT: ClassVar[str] = "mc.req.decode_stopped"
+    type: Literal["request.decode_stopped"] = "request.decode_stopped"
+
+    instance: SubjectToken
+    attempt: Annotated[int, Field(ge=1)] = 1
+    reason: Annotated[str, Field(min_length=1, max_length=64)]
+    output_tokens: Annotated[int, Field(ge=0)]
+
+
 class RequestCompleted(RequestEvent):
     SUBJECT: ClassVar[str] = "mc.req.completed"
     type: Literal["request.completed"] = "request.completed"
@@ -323,6 +338,7 @@ EVENT_CLASSES: tuple[type[Event], ...] = (
     DecodeStarted,
     DecodePreempted,
     DecodeResumed,
+    DecodeStopped,
     RequestCompleted,
     RequestFailed,
     CancelRequested,
@@ -353,6 +369,7 @@ AnyEvent = Annotated[
     | DecodeStarted
     | DecodePreempted
     | DecodeResumed
+    | DecodeStopped
     | RequestCompleted
     | RequestFailed
     | CancelRequested

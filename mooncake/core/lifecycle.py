@@ -46,7 +46,12 @@ _ALLOWED_FROM: dict[type[ev.RequestEvent], frozenset[Status | None]] = {
     ev.DecodePreempted: frozenset({Status.DECODING}),
     ev.DecodeResumed: frozenset({Status.DECODING}),
     ev.RequestCompleted: frozenset({Status.PREFILLED, Status.DECODING}),
+    # How many tokens a cancelled request's client got: from the decode instance that
+    # stopped it, recorded before or after the cancellation (different publishers).
+    ev.DecodeStopped: frozenset({Status.DECODING, Status.CANCELLED}),
 }
+# Facts about a request that may follow its terminal event (they annotate, never change it).
+_AFTER_TERMINAL: tuple[type[ev.RequestEvent], ...] = (ev.DecodeStopped,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +105,7 @@ def apply(state: RequestState | None, event: ev.RequestEvent) -> Transition:
     if state is not None and state.request_id != event.request_id:
         return Transition(state, f"event for {event.request_id} applied to {state.request_id}")
     current = state.status if state is not None else None
-    if current in TERMINAL:
+    if current in TERMINAL and not isinstance(event, _AFTER_TERMINAL):
         return Transition(state, f"{event.type} after terminal state {current}")
     allowed = _ALLOWED_FROM.get(type(event))
     if allowed is not None and current not in allowed:
@@ -165,6 +170,8 @@ def _fold(s: RequestState, e: ev.RequestEvent) -> RequestState:
             )
         case ev.DecodePreempted():
             return replace(s, preemptions=s.preemptions + 1)
+        case ev.DecodeStopped():
+            return replace(s, output_tokens=e.output_tokens)
         case ev.RequestCompleted():
             return _finish(
                 s,

@@ -28,6 +28,8 @@ from mooncake.work import DecodeWork, TokenChunk
 log = logging.getLogger("mooncake.decode")
 
 ROLE = "decode"
+# Why a job stops that make the request end cancelled (`Job.stop`).
+CANCELLATIONS = ("client", "ended:cancelled", "deadline")
 
 
 def slowest_tenth_mean(times: list[float]) -> float | None:
@@ -70,6 +72,8 @@ class DecodeEnds:
         """Cancelled by the client, past its deadline, or ended by another instance."""
         w, why = job.work, job.stop or ""
         job.span.set_attribute("mc.stopped", why)
+        if why in CANCELLATIONS:
+            await self._stopped_fact(job, why)
         if why == "deadline":
             event_id = ev.derived_event_id(w.admitted_event_id, "decode.cancelled")
             event = ev.RequestCancelled(
@@ -91,6 +95,20 @@ class DecodeEnds:
             log.exception("%s: stopping failed", w.request_id)
             job.span.record_exception(exc)
             job.span.end()
+
+    async def _stopped_fact(self, job: Job, why: str) -> None:
+        """How many tokens the cancelled request's client got (the record's output_tokens;
+        whoever publishes the cancellation may not know). Best effort: the end goes on."""
+        w = job.work
+        event = ev.DecodeStopped(
+            event_id=ev.derived_event_id(w.admitted_event_id, f"decode.stopped-{w.attempt}"),
+            request_id=w.request_id, instance=w.decode_instance, attempt=w.attempt,
+            reason=why[:64], output_tokens=job.sent,
+        )  # fmt: skip
+        try:
+            await self.ender.publisher.publish(event)
+        except Exception as exc:
+            log.warning("%s: stop not recorded: %s", w.request_id, exc)
 
     async def fail(self, job: Job, reason: str, detail: str) -> None:
         w = job.work

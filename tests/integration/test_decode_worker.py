@@ -311,6 +311,10 @@ async def test_cancel_mid_decode_stops_tokens(rig: Rig) -> None:
     assert len(r.chunks["cancel-me"]) == count, "tokens kept coming after the cancel"
     assert not r.of(ev.RequestCompleted, "cancel-me")
     assert work.tail_key and not await r.store.exists(work.tail_key)
+    # The record learns how many tokens the client got (the canceller did not know).
+    [stopped] = r.of(ev.DecodeStopped, "cancel-me")
+    assert isinstance(stopped, ev.DecodeStopped)
+    assert (stopped.reason, stopped.output_tokens) == ("client", final.index)
 
 
 async def test_deadline_cancels_with_an_event(rig: Rig) -> None:

@@ -134,3 +134,23 @@ def test_a_preemption_before_decoding_is_illegal() -> None:
     state, _ = fold(happy_path()[:4])  # prefilled, decode not started
     t = apply(state, ev.DecodePreempted(request_id="r", instance="d0"))
     assert t.error is not None and state is not None and t.state == state
+
+
+def test_a_cancelled_requests_output_tokens_come_from_the_decode_that_stopped_it() -> None:
+    """The Conductor publishes the cancellation without knowing how many tokens went out;
+    the decode's `DecodeStopped` says, recorded before or after it."""
+    decoding = happy_path()[:-1]
+    cancelled = ev.RequestCancelled(request_id="r", stage="decode", occurred_at=at(1))
+    stopped = ev.DecodeStopped(
+        request_id="r", instance="d0", reason="ended:cancelled", output_tokens=7,
+        occurred_at=at(1.01),
+    )  # fmt: skip
+    for order in ([cancelled, stopped], [stopped, cancelled]):
+        state, errors = fold([*decoding, *order])
+        assert errors == [] and state is not None
+        assert (state.status, state.output_tokens) == (Status.CANCELLED, 7)
+    # It annotates a cancellation only: after a completion or before decoding it is illegal.
+    done, _ = fold(happy_path())
+    assert apply(done, stopped).error is not None
+    prefilled, _ = fold(happy_path()[:4])
+    assert apply(prefilled, stopped).error is not None
