@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,13 +246,22 @@ async def test_cancel_in_the_middle_of_decode(
     await wait_for(recorded, 20, "exactly one terminal event for the cancelled request")
     from sqlalchemy import text
 
-    async with db.connect() as conn:
-        status = (
-            await conn.execute(
-                text("SELECT status FROM requests WHERE request_id = :r"), {"r": rid}
-            )
-        ).scalar_one()
-    assert status == "cancelled"
+    async def row() -> tuple[str, int]:
+        async with db.connect() as conn:
+            found = (
+                await conn.execute(
+                    text("SELECT status, output_tokens FROM requests WHERE request_id = :r"),
+                    {"r": rid},
+                )
+            ).one()
+        return (str(found[0]), int(found[1]))
+
+    # The record's output_tokens is what the client was sent (the decode's request.
+    # decode_stopped, recorded before or after the Conductor's cancellation).
+    assert out.final_index is not None and len(out.tokens) <= out.final_index
+    await wait_for(
+        lambda: _equal(row(), ("cancelled", out.final_index)), 20, "the count in the record"
+    )
 
 
 async def test_killed_prefill_and_decode_workers_lose_nothing(
@@ -300,3 +309,7 @@ async def test_killed_prefill_and_decode_workers_lose_nothing(
 
 async def _true(v: bool) -> bool:
     return v
+
+
+async def _equal(got: Awaitable[object], want: object) -> bool:
+    return await got == want
