@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,12 +256,16 @@ async def test_cancel_in_the_middle_of_decode(
             ).one()
         return (str(found[0]), int(found[1]))
 
-    # The record's output_tokens is what the client was sent (the decode's request.
-    # decode_stopped, recorded before or after the Conductor's cancellation).
-    assert out.final_index is not None and len(out.tokens) <= out.final_index
-    await wait_for(
-        lambda: _equal(row(), ("cancelled", out.final_index)), 20, "the count in the record"
-    )
+    # The record's output_tokens is what the decode sent the client before it stopped (its
+    # request.decode_stopped, recorded before or after the Conductor's cancellation): every
+    # token the client got, and perhaps a few it had stopped listening for (the Conductor's
+    # final chunk can arrive first).
+    async def counted() -> bool:
+        status, tokens = await row()
+        return status == "cancelled" and tokens > max(out.tokens)
+
+    await wait_for(counted, 20, "the count of the tokens sent in the record")
+    assert len(out.tokens) <= (await row())[1] < 3000
 
 
 async def test_killed_prefill_and_decode_workers_lose_nothing(
@@ -309,7 +313,3 @@ async def test_killed_prefill_and_decode_workers_lose_nothing(
 
 async def _true(v: bool) -> bool:
     return v
-
-
-async def _equal(got: Awaitable[object], want: object) -> bool:
-    return await got == want
