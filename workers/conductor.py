@@ -483,6 +483,8 @@ class Conductor:
             **decision.to_dict(),
             "slo_class": request.slo_class,
             "prompt_source": "token_ids" if request.token_ids is not None else "text",
+            # What it may generate: the client's max_tokens, or a default cut to the context.
+            "max_tokens": request.params.max_tokens,
             "instances_alive": {
                 "prefill": self.liveness.alive("prefill"),
                 "decode": self.liveness.alive("decode"),

@@ -550,7 +550,8 @@ async def test_what_cannot_fit_the_context_is_rejected_before_any_work(
         cl.replies["r-room"] = []
         await cl.js.publish(cl.ns.subject(ev.RequestSubmitted.SUBJECT), json.dumps(
             {"type": "request.submitted", "event_id": "e-room", **raw}).encode())  # fmt: skip
-        assert (await cl.outcome("r-room"))["type"] == "request.admitted"
+        room = await cl.outcome("r-room")
+        assert (room["type"], room["inputs"]["max_tokens"]) == ("request.admitted", 24)
         [msg] = await p1_work.fetch(1, timeout=5)
         work = PrefillWork.model_validate_json(msg.data)
         assert (work.request_id, work.params.max_tokens) == ("r-room", 24)
