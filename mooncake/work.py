@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mooncake.events import Identifier, SamplingParams, SubjectToken
+from mooncake.events import Identifier, SamplingParams, SubjectToken, derived_event_id
 from mooncake.namespace import Namespace
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -138,3 +138,10 @@ class WorkSubjects:
 def tail_key(request_id: str, attempt: int) -> str:
     """Store key of a request's partial last KV block (never shared between requests)."""
     return f"tail:{token_stream_token(request_id)}:{attempt}"
+
+
+def completed_event_id(admitted_event_id: str, stage: Literal["prefill", "decode"]) -> str:
+    """The id of the `request.completed` a stage publishes: the same on every attempt, so a
+    stage killed after claiming the request's end but before publishing it can be redone,
+    wins the claim again and publishes the same event (`terminal.ended(redo=...)`)."""
+    return derived_event_id(admitted_event_id, f"{stage}.completed")

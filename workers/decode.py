@@ -44,7 +44,7 @@ from mooncake.serving.local_store import LocalStore, cluster_secret, local_store
 from mooncake.serving.models import build_engine
 from mooncake.serving.streaming import TextDeltas, TokenStreamer
 from mooncake.telemetry import extract_context, tracer
-from mooncake.work import DecodeWork, LoadReport, TokenChunk, WorkSubjects
+from mooncake.work import DecodeWork, LoadReport, TokenChunk, WorkSubjects, completed_event_id
 from workers.runtime import WorkerContext, configure_logging, worker_context
 
 log = logging.getLogger("mooncake.decode")
@@ -180,7 +180,8 @@ class DecodeWorker:
     async def _receive(self, job: Job) -> None:
         w = job.work
         try:
-            if (how := await terminal.ended(self.kv, w.request_id)) is not None:
+            redo = completed_event_id(w.admitted_event_id, "decode")
+            if (how := await terminal.ended(self.kv, w.request_id, redo=redo)) is not None:
                 log.info("%s already %s: skipped", w.request_id, how)
                 self.jobs.remove(job)
                 self._consumer.wake()
@@ -227,7 +228,8 @@ class DecodeWorker:
                 if job.stop is not None:
                     continue
                 with contextlib.suppress(Exception):
-                    how = await terminal.ended(self.kv, job.rid)
+                    redo = completed_event_id(job.work.admitted_event_id, "decode")
+                    how = await terminal.ended(self.kv, job.rid, redo=redo)
                     if how is not None and job.stop is None:
                         job.stop = f"ended:{how}"
                         self.loop.wake.set()

@@ -65,7 +65,15 @@ from mooncake.serving.local_store import LocalStore, local_store
 from mooncake.serving.models import build_engine, engine_params
 from mooncake.serving.prefill_kv import StoredPrefill, prefill_with_store, replicate_blocks
 from mooncake.telemetry import inject_headers, tracer
-from mooncake.work import DecodeWork, LoadReport, PrefillWork, TokenChunk, WorkSubjects, tail_key
+from mooncake.work import (
+    DecodeWork,
+    LoadReport,
+    PrefillWork,
+    TokenChunk,
+    WorkSubjects,
+    completed_event_id,
+    tail_key,
+)
 from workers.runtime import WorkerContext, configure_logging, worker_context
 
 log = logging.getLogger("mooncake.prefill")
@@ -177,7 +185,7 @@ class PrefillWorker:
         running = Running(work.request_id, len(work.token_ids), threading.Event())
         self.running = running  # before any await: a cancel arriving now is not missed
         try:
-            if await terminal.ended(self._terminal, work.request_id) is not None:
+            if await self._ended(work):
                 return ACK
             deadline = work.timing.deadline_at
             if deadline is not None and time.time() >= deadline:
@@ -259,7 +267,7 @@ class PrefillWorker:
             chunk = TokenChunk(request_id=work.request_id, index=0, token_ids=[token], text=text)
             await ctx.nc.publish(work.reply_to, chunk.to_json())
         metrics.TOKENS_GENERATED.labels(ROLE).inc()
-        if await terminal.ended(self._terminal, work.request_id) is not None:
+        if await self._ended(work):
             return ACK  # cancelled (or failed elsewhere) while it computed: nothing to hand on
         block = self.engine.block_tokens
         remote = max(done.loaded_blocks - min(work.local_blocks, done.loaded_blocks), 0)
@@ -285,6 +293,13 @@ class PrefillWorker:
             self._replicate(done, work.local_blocks)
         return ACK
 
+    async def _ended(self, work: PrefillWork) -> bool:
+        """Ended already (cancelled, failed elsewhere, or completed by a redelivery of this
+        work); not when the claim is this stage's own completion, which may never have been
+        published (`terminal.ended(redo=...)`)."""
+        redo = completed_event_id(work.admitted_event_id, "prefill")
+        return await terminal.ended(self._terminal, work.request_id, redo=redo) is not None
+
     async def _completed_empty(
         self, work: PrefillWork, done: StoredPrefill, first_at: float
     ) -> None:
@@ -293,7 +308,8 @@ class PrefillWorker:
         removes it when a request ends."""
         ttft = max(first_at - work.timing.submitted_at, 0.0)
         event = ev.RequestCompleted(
-            event_id=event_id(work, "completed"), request_id=work.request_id,
+            event_id=completed_event_id(work.admitted_event_id, "prefill"),
+            request_id=work.request_id,
             output_tokens=0, finish_reason="stop", ttft_s=ttft,
         )  # fmt: skip
         last = final(work.request_id, 0, "stop")

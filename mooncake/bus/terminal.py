@@ -73,10 +73,18 @@ async def _claim_once(kv: KeyValue, key: str, value: bytes) -> bool:
         return entry.value == value
 
 
-async def ended(kv: KeyValue, request_id: str) -> str | None:
-    """How the request ended ("completed", "failed", "cancelled"), None while it runs."""
+async def ended(kv: KeyValue, request_id: str, *, redo: str | None = None) -> str | None:
+    """How the request ended ("completed", "failed", "cancelled"), None while it runs.
+
+    `redo`: the id of the terminal event the caller would publish. A claim with that id is
+    reported as not ended: whoever made it (the same stage, on an instance killed between the
+    claim and the publish) may not have published, and only doing the work again publishes it
+    (the same claim wins again; the event is deduplicated by its id if it did go out)."""
     try:
         entry = await kv.get(_key(request_id))
     except KeyNotFoundError:
         return None
-    return None if entry.value is None else entry.value.decode().split(":", 1)[0]
+    if entry.value is None:
+        return None
+    kind, _, event_id = entry.value.decode().partition(":")
+    return None if redo is not None and event_id == redo else kind

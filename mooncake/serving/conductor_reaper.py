@@ -45,7 +45,7 @@ from mooncake.serving.conductor_dispatch import redispatch_msg_id
 from mooncake.serving.conductor_feed import Member
 from mooncake.serving.conductor_terminal import failed_event_id
 from mooncake.serving.ending import Ender
-from mooncake.work import DecodeWork, PrefillWork, WorkSubjects
+from mooncake.work import DecodeWork, PrefillWork, WorkSubjects, completed_event_id
 
 log = logging.getLogger("mooncake.conductor.reaper")
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -177,7 +177,10 @@ class Reaper:
             await m.term()
             return
         rid = work.request_id
-        if await terminal.ended(self.ender.kv, rid) is not None:
+        # A completion the dead instance claimed may not be published: that work is done again
+        # (the new attempt wins the same claim and publishes the same event).
+        redo = completed_event_id(work.admitted_event_id, role)
+        if await terminal.ended(self.ender.kv, rid, redo=redo) is not None:
             await m.ack()  # cancelled (or otherwise ended) meanwhile: nothing to do
             self.view.apply(cl.RequestDropped(rid), self._clock())
             return

@@ -23,7 +23,7 @@ from mooncake.serving.decode_jobs import Job
 from mooncake.serving.ending import Ender, Terminal, final, observe_completed
 from mooncake.serving.streaming import TokenStreamer
 from mooncake.store.client import StoreClient
-from mooncake.work import DecodeWork, TokenChunk
+from mooncake.work import DecodeWork, TokenChunk, completed_event_id
 
 log = logging.getLogger("mooncake.decode")
 
@@ -60,7 +60,7 @@ class DecodeEnds:
         ttft = max(w.first_token_at - w.timing.submitted_at, 0.0)
         tbt = slowest_tenth_mean(job.times)
         event = ev.RequestCompleted(
-            event_id=ev.derived_event_id(w.admitted_event_id, "decode.completed"),
+            event_id=completed_event_id(w.admitted_event_id, "decode"),
             request_id=w.request_id, output_tokens=len(tokens), finish_reason=finish,
             ttft_s=ttft, tbt_s=tbt, text=text or None,
         )  # fmt: skip

@@ -39,7 +39,14 @@ from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_reaper import Role, work_consumer
 from mooncake.stack import other_system
 from mooncake.store import protocol as sp
-from mooncake.work import DecodeWork, LoadReport, PrefillWork, TokenChunk, WorkSubjects
+from mooncake.work import (
+    DecodeWork,
+    LoadReport,
+    PrefillWork,
+    TokenChunk,
+    WorkSubjects,
+    completed_event_id,
+)
 from workers import conductor as conductor_worker
 from workers.runtime import WorkerContext
 
@@ -604,3 +611,51 @@ async def test_a_second_up_on_a_shared_broker_is_told_a_system_runs_there(
     async with live(s):
         why = await asyncio.to_thread(other_system, s, nats_url)
         assert why is not None and "MOONCAKE_NAMESPACE" in why and s.namespace in why
+
+
+async def test_a_completion_the_dead_decode_claimed_but_never_published_is_redone(
+    nats_url: str, namespace: str
+) -> None:
+    """d1 finished a request, claimed its end and was killed before publishing the
+    completion (the client never got its final chunk, the record no terminal event). The
+    reaper must not take that claim for an end: the work goes to d2, which wins the same
+    claim and publishes. A request another party ended (cancelled) is still dropped."""
+    s = live_settings(nats_url, namespace)
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        cl.instances["d2"] = Fake("decode", "n3")
+        await known(conductor, "p1", "d1", "d2")
+        p1_work = await cl.bind_work("prefill", "p1")
+        d1_work = await cl.bind_work("decode", "d1")
+        subjects = WorkSubjects(cl.ns)
+        works = {}
+        for rid in ("r-claimed", "r-cancelled"):
+            await cl.submit(rid, token_ids=tokens(2 * BT), deadline_s=60.0)
+            assert (await cl.outcome(rid))["type"] == "request.admitted"
+            [msg] = await p1_work.fetch(1, timeout=5)
+            works[rid] = PrefillWork.model_validate_json(msg.data)
+            await msg.ack()
+            w = works[rid]
+            decode = DecodeWork(
+                request_id=rid, token_ids=w.token_ids, first_token_id=5, prefill_instance="p1",
+                decode_instance="d1", timing=w.timing, first_token_at=time.time(),
+                admitted_event_id=w.admitted_event_id,
+            )  # fmt: skip
+            await cl.js.publish(subjects.decode("d1"), decode.to_json())
+        held = await d1_work.fetch(2, timeout=5)  # d1 takes both ... and dies holding them
+        assert len(held) == 2
+        kv = conductor.ender.kv
+        done_id = completed_event_id(works["r-claimed"].admitted_event_id, "decode")
+        assert await terminal.claim(kv, "r-claimed", "completed", done_id)
+        assert await terminal.claim(kv, "r-cancelled", "cancelled", "some-cancel-event")
+        await d1_work.unsubscribe()
+        del cl.instances["d1"]
+
+        d2_work = await cl.bind_work("decode", "d2")
+        [moved] = await d2_work.fetch(1, timeout=15)
+        got = DecodeWork.model_validate_json(moved.data)
+        assert (got.request_id, got.decode_instance, got.attempt) == ("r-claimed", "d2", 2)
+        await moved.ack()
+        with pytest.raises(nats.errors.TimeoutError):  # the cancelled one is not re-run
+            await d2_work.fetch(1, timeout=2 * s.bus.ack_wait_s + 1)
+        await d2_work.unsubscribe()

@@ -33,7 +33,15 @@ from mooncake.serving.models import build_engine
 from mooncake.serving.streaming import resume_tokens
 from mooncake.store.client import ClientConfig, StoreClient
 from mooncake.store.master import StoreMaster, new_state
-from mooncake.work import DecodeWork, LoadReport, Timing, TokenChunk, WorkSubjects, tail_key
+from mooncake.work import (
+    DecodeWork,
+    LoadReport,
+    Timing,
+    TokenChunk,
+    WorkSubjects,
+    completed_event_id,
+    tail_key,
+)
 from workers.decode import DecodeWorker
 from workers.runtime import worker_context
 
@@ -361,6 +369,23 @@ async def test_work_for_an_ended_request_is_skipped(rig: Rig) -> None:
     assert not r.chunks.get("gone")
     assert not r.of(ev.DecodeStarted, "gone")
     assert work.tail_key and not await r.store.exists(work.tail_key)
+
+
+async def test_a_completion_claimed_but_never_published_is_done_again(rig: Rig) -> None:
+    """An earlier attempt claimed the request's completion and died before publishing it:
+    that claim is this stage's own, so the work runs, wins the same claim and publishes the
+    completion (the client and the record would otherwise never hear of an end)."""
+    r = rig
+    work = await r.prepare("half-done", tokens(25, 14), 6)
+    done_id = completed_event_id(work.admitted_event_id, "decode")
+    assert await terminal.claim(r.worker.kv, "half-done", "completed", done_id)
+    await r.send(work)
+    final = await r.wait_final("half-done")
+    assert final.finish_reason == "length" and final.index == 6
+    await r.idle()
+    [completed] = r.of(ev.RequestCompleted, "half-done")
+    assert completed.event_id == done_id
+    assert r.streamed(work) == r.expected(list(work.token_ids), 6)
 
 
 async def test_one_bad_request_fails_alone(rig: Rig) -> None:
