@@ -211,7 +211,14 @@ async def _submit(
     until: Until,
 ) -> None:
     from mooncake.bus.connection import connect
-    from mooncake.client import TERMINAL_TYPES, SystemDown, check_admitting
+    from mooncake.client import (
+        TERMINAL_TYPES,
+        InOrderText,
+        Outcome,
+        SystemDown,
+        check_admitting,
+        fill_from_copy,
+    )
     from mooncake.client import submit as do_submit
     from mooncake.events import Namespace
 
@@ -240,12 +247,33 @@ async def _submit(
             timeout_s=wait_s,
             until=stop_at,
         )
+        out: Outcome | None = None
+        text: InOrderText | None = None
         async for body in replies:
             got = True
+            if out is None:
+                out = Outcome(str(body.get("request_id", "")))
+                text = InOrderText(out)
+            out.take(body)
             if raw:
                 console.print_json(json.dumps(body))
-            else:
-                _print_reply(body)
+            elif "index" not in body:
+                _print_decision(body)
+            else:  # the answer, in token order (prefill's token 0 and decode's may cross)
+                assert text is not None
+                _print_text(text.release())
+        if out is not None and out.missing():
+            # Reply chunks are at most once: read what did not arrive from the request's
+            # replayable copy (MC_TOKENS), as `ask` does.
+            try:
+                await fill_from_copy(nc, ns, out)
+            except Exception as exc:
+                err.print(f"[yellow]tokens {out.missing()} not read back: {exc}[/yellow]")
+        if not raw and out is not None and text is not None:
+            _print_text(text.release() + text.rest())
+            if out.finish_reason is not None:
+                error = f" ({out.error})" if out.error else ""
+                console.print(f"\n[dim]-- {out.finish_reason}{error}[/dim]")
     finally:
         await nc.close()
     if not got:
@@ -253,13 +281,12 @@ async def _submit(
         raise typer.Exit(1)
 
 
-def _print_reply(body: dict[str, object]) -> None:
-    if "index" in body:  # a TokenChunk: the answer, streamed
-        console.print(str(body.get("text", "")), end="", markup=False, highlight=False)
-        if body.get("done"):
-            error = f" ({body['error']})" if body.get("error") else ""
-            console.print(f"\n[dim]-- {body.get('finish_reason')}{error}[/dim]")
-        return
+def _print_text(piece: str) -> None:
+    if piece:
+        console.print(piece, end="", markup=False, highlight=False)
+
+
+def _print_decision(body: dict[str, object]) -> None:
     kind = str(body.get("type", "?")).removeprefix("request.")
     rid = body.get("request_id")
     if kind == "rejected":

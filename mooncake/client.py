@@ -221,6 +221,30 @@ async def ask(
     return out
 
 
+class InOrderText:
+    """Text of a request's token chunks, released in index order.
+
+    Index 0 comes from the prefill instance and the rest from decode, two publishers whose
+    messages may cross; `Outcome` keeps them by index, this hands out each piece once, only
+    when every token before it has arrived (the rest at the end)."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        self._out = outcome
+        self._next = 0
+
+    def release(self) -> str:
+        parts = []
+        while self._next in self._out.tokens:
+            parts.append(self._out.text_parts.get(self._next, ""))
+            self._next += 1
+        return "".join(parts)
+
+    def rest(self) -> str:
+        parts = [t for i, t in sorted(self._out.text_parts.items()) if i >= self._next]
+        self._next = max([self._next, *(i + 1 for i in self._out.text_parts)])
+        return "".join(parts)
+
+
 async def fill_from_copy(
     nc: NATS, ns: ev.Namespace, out: Outcome, idle_timeout_s: float = 5.0
 ) -> None:

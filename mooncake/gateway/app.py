@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mooncake import events as ev
 from mooncake import metrics
-from mooncake.client import Outcome, new_request_id
+from mooncake.client import InOrderText, Outcome, new_request_id
 from mooncake.config import Settings
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.gateway import errors
@@ -217,7 +217,7 @@ class Call:
 
     async def events(self, include_usage: bool) -> AsyncGenerator[bytes, None]:
         """The SSE stream: text in token order as it arrives, the finish, [DONE]."""
-        fmt, text = self.fmt, tr.InOrderText(self.out)
+        fmt, text = self.fmt, InOrderText(self.out)
         if (first := fmt.first()) is not None:
             yield first
         while True:

@@ -120,30 +120,6 @@ def default_chat_max_tokens(prompt_tokens: int, context: int | None) -> int:
 # --- what comes back ------------------------------------------------------------------------------
 
 
-class InOrderText:
-    """Text of a request's token chunks, released in index order.
-
-    Index 0 comes from the prefill instance and the rest from decode, two publishers whose
-    messages may cross; `Outcome` keeps them by index, this hands out each piece once, only
-    when every token before it has arrived (the rest at the end)."""
-
-    def __init__(self, outcome: Outcome) -> None:
-        self._out = outcome
-        self._next = 0
-
-    def release(self) -> str:
-        parts = []
-        while self._next in self._out.tokens:
-            parts.append(self._out.text_parts.get(self._next, ""))
-            self._next += 1
-        return "".join(parts)
-
-    def rest(self) -> str:
-        parts = [t for i, t in sorted(self._out.text_parts.items()) if i >= self._next]
-        self._next = max([self._next, *(i + 1 for i in self._out.text_parts)])
-        return "".join(parts)
-
-
 def usage(prompt_tokens: int, out: Outcome) -> Usage:
     completion = len(out.tokens)
     cached = int((out.decision or {}).get("cached_prefix_tokens") or 0)

@@ -61,6 +61,14 @@ def test_up_submit_and_clean_shutdown(tmp_path: Path) -> None:
                 break
             time.sleep(1)  # `submit` fails within seconds while no Conductor takes requests
         assert "admitted" in answer, answer
+        # The whole answer: its text in token order, then how it finished.
+        whole = subprocess.run(
+            _mooncake("submit", "Name three colors.", "--max-tokens", "12", "--timeout", "60"),
+            cwd=tmp_path, env=sub_env, capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+        lines = whole.stdout.strip().splitlines()
+        assert whole.returncode == 0 and lines[-1] in ("-- length", "-- stop"), whole.stdout
+        assert "admitted" in lines[0] and "".join(lines[1:-1]).strip(), whole.stdout
         bad = subprocess.run(
             _mooncake("submit", "   "), cwd=tmp_path, env=sub_env, capture_output=True, text=True
         )
