@@ -180,9 +180,10 @@ class Reaper:
         # A completion the dead instance claimed may not be published: that work is done again
         # (the new attempt wins the same claim and publishes the same event).
         redo = completed_event_id(work.admitted_event_id, role)
-        if await terminal.ended(self.ender.kv, rid, redo=redo) is not None:
+        if (how := await terminal.ended(self.ender.kv, rid, redo=redo)) is not None:
             await m.ack()  # cancelled (or otherwise ended) meanwhile: nothing to do
             self.view.apply(cl.RequestDropped(rid), self._clock())
+            log.info("%s work of %s not re-dispatched: it ended (%s)", role, rid, how)
             return
         attempt = work.attempt + 1
         if attempt > self.settings.conductor.max_attempts:
