@@ -83,7 +83,8 @@ def _reject(
             occurred_at=now,
             reason=ev.RejectReason.INVALID_REQUEST,
             stage="ingress",
-            detail=f"{reason}: {detail}"[:2000],
+            # The reason is invalid_request; a narrower cause (payload_too_large) leads the detail.
+            detail=(detail if reason == "invalid_request" else f"{reason}: {detail}")[:2000],
         ),
         reply_to,
     )

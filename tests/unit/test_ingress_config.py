@@ -21,7 +21,12 @@ def test_ingress_accepts_rejects_or_discards() -> None:
     assert decision.event.request_id == "r9"
     assert decision.event.reason is ev.RejectReason.INVALID_REQUEST
     assert decision.event.stage == "ingress"
-    assert "max_tokens" in decision.event.detail
+    assert decision.event.detail == "params.max_tokens: too small"  # the reason not repeated
+    assert decision.reply_to is None  # none was readable
+    big = ev.InvalidEvent("payload_too_large", "2000000 bytes", "r8", "_INBOX.x")
+    told = ingress.judge(big, msg_id="m3", now=now)
+    assert isinstance(told, ingress.Reject) and told.reply_to == "_INBOX.x"
+    assert told.event.detail == "payload_too_large: 2000000 bytes"
     # The same message redelivered yields the same event id (dedupe makes it exactly-once).
     again = ingress.judge(bad, msg_id="m1", now=now)
     assert isinstance(again, ingress.Reject) and again.event.event_id == decision.event.event_id
