@@ -63,7 +63,12 @@ from mooncake.serving.engine_tier import EngineTier
 from mooncake.serving.kvstore import TIERS, PrefillCancelled
 from mooncake.serving.local_store import LocalStore, local_store
 from mooncake.serving.models import build_engine, engine_params
-from mooncake.serving.prefill_kv import StoredPrefill, prefill_with_store, replicate_blocks
+from mooncake.serving.prefill_kv import (
+    StoredPrefill,
+    prefill_with_store,
+    remove_tail,
+    replicate_blocks,
+)
 from mooncake.telemetry import inject_headers, tracer
 from mooncake.work import (
     DecodeWork,
@@ -315,11 +320,7 @@ class PrefillWorker:
         last = final(work.request_id, 0, "stop")
         if await self.ender.end(event, last, reply_to=work.reply_to):
             observe_completed(ROLE, "stop", ttft, None)
-        if done.tail_key:
-            try:
-                await self.store.client.remove_many([done.tail_key], force=True)
-            except Exception as exc:  # it ages out of the pool like any unpinned object
-                log.debug("%s: tail not removed: %s", work.request_id, exc)
+        await remove_tail(self.store.client, work.request_id, done.tail_key)
 
     async def _send_decode_work(
         self, work: PrefillWork, done: StoredPrefill, token: int, first_at: float

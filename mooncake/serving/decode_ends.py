@@ -21,9 +21,10 @@ from mooncake.bus.consume import ACK, PullConsumer, Retry
 from mooncake.bus.heartbeat import Heartbeats
 from mooncake.serving.decode_jobs import Job
 from mooncake.serving.ending import Ender, Terminal, final, observe_completed
+from mooncake.serving.prefill_kv import remove_tail
 from mooncake.serving.streaming import TokenStreamer
 from mooncake.store.client import StoreClient
-from mooncake.work import DecodeWork, TokenChunk, completed_event_id
+from mooncake.work import TokenChunk, completed_event_id
 
 log = logging.getLogger("mooncake.decode")
 
@@ -166,12 +167,4 @@ class DecodeEnds:
             await self.consumer.settle(job.delivery, ACK)
         finally:
             job.span.end()
-        await self.remove_tail(job.work)
-
-    async def remove_tail(self, work: DecodeWork) -> None:
-        """The tail object belongs to this request alone: gone when the request ends."""
-        if work.tail_key:
-            try:
-                await self.store.remove_many([work.tail_key], force=True)
-            except Exception as exc:
-                log.debug("%s: tail not removed: %s", work.request_id, exc)
+        await remove_tail(self.store, job.work.request_id, job.work.tail_key)

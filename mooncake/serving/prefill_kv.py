@@ -334,3 +334,13 @@ async def replicate_blocks(
 
 def _objects(kv: PagedKV, targets: Sequence[Target]) -> list[tuple[str, bytes]]:
     return [(t.key, block_object(kv, t.start, t.tokens)) for t in targets]
+
+
+async def remove_tail(store: StoreClient, request_id: str, tail_key: str | None) -> None:
+    """The request's partial tail block belongs to it alone: gone when the request ends
+    (best effort: an unpinned object left behind ages out of the pool)."""
+    if tail_key:
+        try:
+            await store.remove_many([tail_key], force=True)
+        except Exception as exc:
+            log.debug("%s: tail not removed: %s", request_id, exc)
