@@ -246,13 +246,13 @@ def other_system(settings: Settings, nats_url: str) -> str | None:
     None."""
     import asyncio
 
-    import nats
-
+    from mooncake.bus.connection import connect
     from mooncake.client import SystemDown, check_admitting
     from mooncake.events import Namespace
 
     async def probe() -> str | None:
-        nc = await nats.connect(nats_url, connect_timeout=3, max_reconnect_attempts=0)
+        there = settings.model_copy(update={"nats_url": nats_url})
+        nc = await connect(there, "up-probe", connect_timeout=3, max_reconnect_attempts=0)
         try:
             await check_admitting(nc, Namespace(settings.namespace), within_s=1.0)
         except SystemDown:
