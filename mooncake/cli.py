@@ -8,9 +8,9 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -24,6 +24,7 @@ from mooncake.commands.simulate import simulate_app
 from mooncake.config import Settings
 
 if TYPE_CHECKING:
+    from mooncake.client import InOrderText, Outcome
     from mooncake.events import SamplingParams
     from mooncake.stack import Stack
 
@@ -218,6 +219,7 @@ async def _submit(
         SystemDown,
         check_admitting,
         fill_from_copy,
+        new_request_id,
     )
     from mooncake.client import submit as do_submit
     from mooncake.events import Namespace
@@ -231,7 +233,6 @@ async def _submit(
             f"[red]cannot reach NATS at {settings.nats_url}:[/red] {exc}; is `mooncake up` running?"
         )
         raise typer.Exit(1) from exc
-    got = False
     try:
         ns = Namespace(settings.namespace)
         try:
@@ -239,37 +240,21 @@ async def _submit(
         except SystemDown as exc:  # published now, it would wait unseen for a later `up`
             err.print(f"[red]not submitted:[/red] {exc}", soft_wrap=True)
             raise typer.Exit(1) from exc
+        out = Outcome(new_request_id())
         replies = do_submit(
-            nc,
-            prompt,
-            ns=ns,
-            params=params,
-            timeout_s=wait_s,
+            nc, prompt, ns=ns, params=params, request_id=out.request_id, timeout_s=wait_s,
             until=stop_at,
-        )
-        out: Outcome | None = None
-        text: InOrderText | None = None
-        async for body in replies:
-            got = True
-            if out is None:
-                out = Outcome(str(body.get("request_id", "")))
-                text = InOrderText(out)
-            out.take(body)
-            if raw:
-                console.print_json(json.dumps(body))
-            elif "index" not in body:
-                _print_decision(body)
-            else:  # the answer, in token order (prefill's token 0 and decode's may cross)
-                assert text is not None
-                _print_text(text.release())
-        if out is not None and out.missing():
+        )  # fmt: skip
+        text = InOrderText(out)
+        got = await _follow(replies, out, text, raw)
+        if out.missing():
             # Reply chunks are at most once: read what did not arrive from the request's
             # replayable copy (MC_TOKENS), as `ask` does.
             try:
                 await fill_from_copy(nc, ns, out)
             except Exception as exc:
                 err.print(f"[yellow]tokens {out.missing()} not read back: {exc}[/yellow]")
-        if not raw and out is not None and text is not None:
+        if got and not raw:
             _print_text(text.release() + text.rest())
             if out.finish_reason is not None:
                 error = f" ({out.error})" if out.error else ""
@@ -279,6 +264,24 @@ async def _submit(
     if not got:
         err.print(f"[yellow]no reply within {wait_s:.0f}s[/yellow]")
         raise typer.Exit(1)
+
+
+async def _follow(
+    replies: AsyncIterator[dict[str, Any]], out: Outcome, text: InOrderText, raw: bool
+) -> bool:
+    """Print the replies as they come (the answer in token order: prefill's token 0 and
+    decode's may cross); whether any came."""
+    got = False
+    async for body in replies:
+        got = True
+        out.take(body)
+        if raw:
+            console.print_json(json.dumps(body))
+        elif "index" not in body:
+            _print_decision(body)
+        else:
+            _print_text(text.release())
+    return got
 
 
 def _print_text(piece: str) -> None:
