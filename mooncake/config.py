@@ -109,6 +109,10 @@ class EngineSettings(BaseModel):
     gguf_path: Path | None = None
     device: str = "cpu"
     threads: Annotated[int, Field(ge=1)] | None = None
+    # quantized: the GGUF file's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks on the CPU
+    # (the file's values, multiplied in float32: ~6x fewer bytes read per decode step);
+    # float32: every weight dequantized on load (the reference; what other devices use).
+    weights: Literal["quantized", "float32"] = "quantized"
     dummy: DummyModel = DummyModel()
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV
     # pool, `Settings.kv_cache_bytes`).

@@ -11,12 +11,14 @@ files written in the interleaved layout (GGUF) undo that permutation on load.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mooncake.engine.quant import QuantWeight
 from mooncake.engine.spec import ModelSpec
 
 
@@ -205,6 +207,8 @@ class Block(nn.Module):
             "gate_up": PackedWeight(self.gate, self.up),
             "down": PackedWeight(self.down),
         }
+        # GEMMs whose weight is kept in the model file's quantized blocks (engine.quant).
+        self.quant: dict[str, QuantWeight] = {}
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         b, s, _ = x.shape
@@ -251,19 +255,20 @@ class Block(nn.Module):
         if x.shape[1] > ROW_CHUNK:
             return self._chunked(x, cos, sin, layer, backend, last_only)
         h = self.attn_norm(x)
-        qkv = linear(h, self._weight("qkv"), self._packed["qkv"])
+        qkv = self._gemm("qkv", h)
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
         if last_only and x.shape[1] > 1:
-            x, q, cos_q, sin_q = x[:, -1:], q[:, -1:], cos[:, :, -1:], sin[:, :, -1:]
-        else:
-            cos_q, sin_q = cos, sin
-        q = apply_rope(self._split(q, self.heads), cos_q, sin_q)
-        k = apply_rope(self._split(k, self.kv_heads), cos, sin)
+            x, q = x[:, -1:], apply_rope(self._split(q[:, -1:], self.heads), cos[:, :, -1:],
+                                         sin[:, :, -1:])  # fmt: skip
+            k = apply_rope(self._split(k, self.kv_heads), cos, sin)
+        else:  # q and k rotated together: half the small ops of a decode step's RoPE
+            qk = apply_rope(self._split(qkv[..., : nq + nkv], self.heads + self.kv_heads), cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = self._split(v, self.kv_heads)
         out = backend(layer, q, k, v)
         b, _, s, _ = out.shape
-        x = x + linear(out.transpose(1, 2).reshape(b, s, -1), self._weight("o"), self._packed["o"])
+        x = x + self._gemm("o", out.transpose(1, 2).reshape(b, s, -1))
         return x + self._mlp(self.ffn_norm(x)), k, v
 
     def _chunked(
@@ -285,7 +290,7 @@ class Block(nn.Module):
         k, v = x.new_empty(b, self.kv_heads, s, hd), x.new_empty(b, self.kv_heads, s, hd)
         for a in range(0, s, ROW_CHUNK):
             z = min(a + ROW_CHUNK, s)
-            qkv = linear(self.attn_norm(x[:, a:z]), self._weight("qkv"), self._packed["qkv"])
+            qkv = self._gemm("qkv", self.attn_norm(x[:, a:z]))
             c, sn = cos[:, :, a:z], sin[:, :, a:z]
             k[:, :, a:z] = apply_rope(self._split(qkv[..., nq : nq + nkv], self.kv_heads), c, sn)
             v[:, :, a:z] = self._split(qkv[..., nq + nkv :], self.kv_heads)
@@ -301,7 +306,7 @@ class Block(nn.Module):
         for a in range(0, s_q, ROW_CHUNK):
             z = min(a + ROW_CHUNK, s_q)
             o = attended[:, a:z].reshape(b, z - a, nq)
-            h = rest[:, a:z] + linear(o, self._weight("o"), self._packed["o"])
+            h = rest[:, a:z] + self._gemm("o", o)
             out[:, a:z] = h + self._mlp_rows(self.ffn_norm(h))
         return out, k, v
 
@@ -318,8 +323,38 @@ class Block(nn.Module):
         return out.view_as(h)
 
     def _mlp_rows(self, h: Tensor) -> Tensor:
-        gate, up = linear(h, self._weight("gate_up"), self._packed["gate_up"]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self._weight("down"), self._packed["down"])
+        gate, up = self._gemm("gate_up", h).chunk(2, dim=-1)
+        return self._gemm("down", F.silu(gate) * up)
+
+    def _gemm(self, name: str, x: Tensor) -> Tensor:
+        """x @ W.T for one of the block's GEMMs: over its quantized blocks where it has them."""
+        quant = self.quant.get(name)
+        if quant is not None:
+            return quant(x)
+        return linear(x, self._weight(name), self._packed[name])
+
+    def use_quantized(self, parts: dict[str, QuantWeight]) -> None:
+        """Serve GEMMs from quantized weights: `parts` by projection name (q, k, v, o, gate,
+        up, down). A fused GEMM (q+k+v, gate+up) is quantized only when all of its parts
+        are, in one format; the rest keep (or get back) their float weights. The float
+        weight of a quantized GEMM is freed."""
+        groups = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"),
+                  "down": ("down",)}  # fmt: skip
+        with torch.inference_mode(False), torch.no_grad():
+            for name, members in groups.items():
+                have = [parts[m] for m in members if m in parts]
+                if len(have) == len(members) and len({q.kind for q in have}) == 1:
+                    self.quant[name] = QuantWeight.cat(have) if len(have) > 1 else have[0]
+                    for m in members:
+                        getattr(self, m).weight = nn.Parameter(_PACKED_ONLY, requires_grad=False)
+                    if name in ("qkv", "gate_up"):
+                        setattr(self, f"_{name}", None)
+                    continue
+                for m in members:  # partly quantized: float weights for the whole group
+                    if m in parts:
+                        getattr(self, m).weight = nn.Parameter(
+                            parts[m].dequantize(), requires_grad=False
+                        )
 
     def _weight(self, name: str) -> Tensor:
         """The plain weight of one of the block's GEMMs (fused where several share an
@@ -333,12 +368,17 @@ class Block(nn.Module):
         return self.o.weight if name == "o" else self.down.weight
 
     def pack_weights(self) -> None:
-        """Keep only the oneDNN-packed copy of every GEMM weight (see Decoder)."""
+        """Keep only the oneDNN-packed copy of every float GEMM weight (see Decoder)."""
+        members = {"qkv": (self.q, self.k, self.v), "o": (self.o,), "gate_up": (self.gate, self.up),
+                   "down": (self.down,)}  # fmt: skip
         for name in self._packed:
+            if name in self.quant:
+                continue
             self._packed[name].freeze(self._weight(name))
-        for lin in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down):
-            lin.weight = nn.Parameter(_PACKED_ONLY, requires_grad=False)
-        self._qkv = self._gate_up = None
+            for lin in members[name]:
+                lin.weight = nn.Parameter(_PACKED_ONLY, requires_grad=False)
+            if name in ("qkv", "gate_up"):
+                setattr(self, f"_{name}", None)
 
 
 class Decoder(nn.Module):
@@ -355,6 +395,9 @@ class Decoder(nn.Module):
             None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab_size, bias=False)
         )
         self._packed_head = PackedWeight(self.embed if self.lm_head is None else self.lm_head)
+        # The embedding and output head where they are kept quantized (`use_quantized`).
+        self.quant_embed: QuantWeight | None = None
+        self.quant_head: QuantWeight | None = None
         rot = spec.rotary_dim
         inv_freq = 1.0 / (spec.rope_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -378,21 +421,58 @@ class Decoder(nn.Module):
             for block in self.layers:
                 assert isinstance(block, Block)
                 block.pack_weights()
-            if self.lm_head is None:
+            if self.quant_head is not None:
+                pass
+            elif self.lm_head is None:
                 self._packed_head.freeze(self.embed.weight)
             else:
                 self._packed_head.freeze(self.lm_head.weight)
                 self.lm_head.weight = nn.Parameter(_PACKED_ONLY, requires_grad=False)
         return True
 
+    def use_quantized(
+        self,
+        layers: Sequence[dict[str, QuantWeight]],
+        embed: QuantWeight | None = None,
+        head: QuantWeight | None = None,
+    ) -> None:
+        """Keep these weights in their quantized blocks (engine.quant) and free their float
+        copies: per layer the projections by name (see Block.use_quantized), the embedding
+        (also the output head when they are tied) and an untied output head."""
+        for block, parts in zip(self.layers, layers, strict=True):
+            assert isinstance(block, Block)
+            block.use_quantized(parts)
+        with torch.inference_mode(False), torch.no_grad():
+            if embed is not None:
+                self.quant_embed = embed
+                self.embed.weight = nn.Parameter(_PACKED_ONLY, requires_grad=False)
+                if self.lm_head is None:
+                    self.quant_head = embed
+            if head is not None and self.lm_head is not None:
+                self.quant_head = head
+                self.lm_head.weight = nn.Parameter(_PACKED_ONLY, requires_grad=False)
+
+    def quantized(self) -> list[QuantWeight]:
+        """Every weight kept in quantized blocks (each once)."""
+        found: list[QuantWeight] = []
+        for block in self.layers:
+            assert isinstance(block, Block)
+            found += block.quant.values()
+        for q in (self.quant_embed, self.quant_head):
+            if q is not None and all(q is not f for f in found):
+                found.append(q)
+        return found
+
     def weight_bytes(self) -> int:
-        """Bytes the weights occupy: parameters and buffers, and the packed copies built."""
+        """Bytes the weights occupy: parameters and buffers, the packed copies built and the
+        quantized blocks."""
         plain = sum(t.numel() * t.element_size() for t in self.state_dict().values())
         packs = [self._packed_head]
         for block in self.layers:
             assert isinstance(block, Block)
             packs += block._packed.values()
-        return int(plain) + sum(_nbytes(pw.packed) for pw in packs if pw.packed is not None)
+        packed = sum(_nbytes(pw.packed) for pw in packs if pw.packed is not None)
+        return int(plain) + packed + sum(q.nbytes for q in self.quantized())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -415,7 +495,7 @@ class Decoder(nn.Module):
         last_only: bool = True,
     ) -> Tensor:
         """tokens, positions [B, S] -> logits [B, V] (last position) or [B, S, V]."""
-        x = self.embed(tokens)
+        x = self.embed(tokens) if self.quant_embed is None else self.quant_embed.rows(tokens)
         cos, sin = self.rope(positions)
         last = len(self.layers) - 1
         for i, block in enumerate(self.layers):
@@ -426,6 +506,8 @@ class Decoder(nn.Module):
         if last_only:
             x = x[:, -1]
         x = self.norm(x)
+        if self.quant_head is not None:
+            return self.quant_head(x)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return linear(x, head, self._packed_head).float()
 

@@ -35,7 +35,7 @@ def build_engine(settings: Settings) -> Engine:
     else:
         from mooncake.engine.gguf_loader import load_gguf, smollm2_path
 
-        loaded = load_gguf(s.gguf_path or smollm2_path(), device=s.device)
+        loaded = load_gguf(s.gguf_path or smollm2_path(), device=s.device, weights=s.weights)
         model, tokenizer = loaded.model, loaded.tokenizer
     model.pack_weights()  # on the CPU: one (packed) copy of the weights, not two
     memory.release_free_heap()  # what dequantizing and packing the weights left in the heap

@@ -1,4 +1,5 @@
-"""Native kernels the engine builds at run time: decode attention over the paged KV pool.
+"""Native kernels the engine builds at run time: decode attention over the paged KV pool, and
+GEMMs over block-quantized weights (`quant_gemm.c`, see `engine.quant`).
 
 torch has no CPU kernel that reads attention keys through a page table: gathering every
 sequence's pages into a padded tensor first costs a full extra copy of the batch's KV per
@@ -36,6 +37,7 @@ import torch
 log = logging.getLogger("mooncake.engine.native")
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
+QUANT_SOURCE = Path(__file__).with_name("quant_gemm.c")
 # Not -ffast-math: gcc links crtfastmath.o into a shared object built with it, which sets
 # flush-to-zero / denormals-are-zero for the whole process when the kernel is loaded (every
 # torch op of the worker would then flush subnormals). The kernel's loops keep independent
@@ -75,28 +77,31 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(head_dim: int, page_tokens: int) -> Path | None:
+def build(source: Path, defines: tuple[str, ...] = (), what: str = "") -> Path | None:
+    """The shared object of `source` built with FLAGS and `defines` (cached; see the module
+    docstring), or None where none can be built here (no compiler, a failed build)."""
+    what = what or source.stem
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler: paged decode attention takes the slower torch path")
+        log.warning("no C compiler: %s takes the slower torch path", what)
         return None
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
     digest = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((cc, *FLAGS, *defines)).encode() + _cpu_signature().encode()
+        source.read_bytes() + " ".join((cc, *FLAGS, *defines)).encode() + _cpu_signature().encode()
     ).hexdigest()[:20]
-    target = cache_dir() / f"paged_attention-d{head_dim}-p{page_tokens}-{digest}.so"
+    tag = "".join(f"-{d.split('=', 1)[-1]}" for d in defines)
+    target = cache_dir() / f"{source.stem}{tag}-{digest}.so"
     if target.exists():
         return target
     # Build to a private name, then rename: workers starting together never see half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *FLAGS, *defines, str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [cc, *FLAGS, *defines, str(source), "-o", tmp, "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
         err = getattr(exc, "stderr", b"") or b""
-        log.warning("building the paged attention kernel failed (%s %s): torch path", exc, err)
+        log.warning("building %s failed (%s %s): torch path", what, exc, err)
         Path(tmp).unlink(missing_ok=True)
         return None
     return target
@@ -151,7 +156,8 @@ def load(head_dim: int, page_tokens: int) -> PagedDecode | None:
 
 
 def _load(head_dim: int, page_tokens: int) -> PagedDecode | None:
-    path = _build(head_dim, page_tokens)
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+    path = build(SOURCE, defines, "paged decode attention")
     if path is None:
         return None
     try:
@@ -164,3 +170,46 @@ def _load(head_dim: int, page_tokens: int) -> PagedDecode | None:
     fn.argtypes = [ptr] * 6 + [i32] * 4 + [ctypes.c_float, i32]
     fn.restype = i32
     return PagedDecode(head_dim, page_tokens, fn)
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """quant_gemm.c's functions: `q4_gemm`/`q8_gemm` (qs, scales, x, y, M, N, K, threads)
+    and `q4_dequant`/`q8_dequant` (qs, scales, out, n0, n1, K, threads); each returns
+    non-zero for a K that is not a whole number of blocks."""
+
+    q4_gemm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    q8_gemm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    q4_dequant: ctypes._CFuncPtr  # type: ignore[name-defined]
+    q8_dequant: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
+_quant: list[QuantKernels | None] = []
+
+
+def load_quant() -> QuantKernels | None:
+    """The quantized-weight kernels, built on first use (None: none can be built here)."""
+    with _lock:
+        if not _quant:
+            _quant.append(_load_quant())
+        return _quant[0]
+
+
+def _load_quant() -> QuantKernels | None:
+    path = build(QUANT_SOURCE, (), "quantized-weight GEMM")
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("loading %s failed (%s): torch path", path, exc)
+        return None
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    fns = []
+    for name, args in (("mc_q4_gemm", [ptr] * 4 + [i32] * 4), ("mc_q8_gemm", [ptr] * 4 + [i32] * 4),
+                       ("mc_q4_dequant", [ptr] * 3 + [i32] * 4),
+                       ("mc_q8_dequant", [ptr] * 3 + [i32] * 4)):  # fmt: skip
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, i32
+        fns.append(fn)
+    return QuantKernels(*fns)

@@ -1,0 +1,195 @@
+/* GEMMs over block-quantized weights with float32 activations: y[M, N] = x[M, K] @ W[N, K]^T.
+ *
+ * Built at run time by mooncake/engine/native/__init__.py (see there). The weights stay in
+ * the blocks of 32 values a GGUF file stores them in, so a decode step reads 5 - 8.5 bits per
+ * weight from memory instead of 32, and each value is the file's value exactly:
+ *
+ *   q4: qs [N, K/2] uint8, dm [N, K/32, 2] float32: w = d * q + m, q a 4-bit value; byte j
+ *       of a block holds element j in its low nibble and element j + 16 in its high one
+ *       (GGUF's Q4_1 layout; Q4_0 is the same with m = -8 d).
+ *   q8: qs [N, K] int8, d [N, K/32] float32: w = d * q (GGUF's Q8_0).
+ *
+ * The activations are not quantized (llama.cpp quantizes them to 8 bits per block to use
+ * integer dot products): each block is widened to float32 in registers and multiplied in
+ * float32, so results differ from a float32 GEMM over the dequantized weights only in the
+ * order of the sums. Rows of x are taken in tiles of up to 8 that share every widened block
+ * (a decode batch reads the weights once); output rows are split over the calling
+ * process's OpenMP threads (torch's runtime, as for paged_attention.c).
+ *
+ * With AVX-512 the inner loops are written with intrinsics; elsewhere plain loops the
+ * compiler vectorizes as it can (correct everywhere, fast where AVX-512 exists).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define QK 32
+
+#ifdef __AVX512F__
+#define Q_TILE(NAME, MT, WIDEN)                                                              \
+    static void NAME(const uint8_t* qs, const float* sc, const float* x, int K, float* y,   \
+                     int N, int n0, int n1) {                                                \
+        const int nb = K / QK;                                                               \
+        for (int n = n0; n < n1; n++) {                                                      \
+            __m512 a0[MT], a1[MT];                                                           \
+            for (int r = 0; r < MT; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = a0[r]; }     \
+            for (int b = 0; b < nb; b++) {                                                   \
+                __m512 lo, hi;                                                               \
+                WIDEN(qs, sc, n, nb, b, lo, hi);                                             \
+                for (int r = 0; r < MT; r++) {                                               \
+                    const float* xr = x + (size_t)r * K + (size_t)b * QK;                    \
+                    a0[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), a0[r]);                 \
+                    a1[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), a1[r]);            \
+                }                                                                            \
+            }                                                                                \
+            for (int r = 0; r < MT; r++)                                                     \
+                y[(size_t)r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));    \
+        }                                                                                    \
+    }
+
+/* The 32 values of block b of row n as two vectors of 16 floats. */
+#define WIDEN_Q4(qs, sc, n, nb, b, lo, hi)                                                     \
+    do {                                                                                       \
+        const __m512i v = _mm512_cvtepu8_epi32(                                                \
+            _mm_loadu_si128((const __m128i*)((qs) + ((size_t)(n) * (nb) + (b)) * 16)));        \
+        const float* dm = (sc) + ((size_t)(n) * (nb) + (b)) * 2;                               \
+        const __m512 d = _mm512_set1_ps(dm[0]), m = _mm512_set1_ps(dm[1]);                     \
+        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))),   \
+                             d, m);                                                            \
+        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);               \
+    } while (0)
+
+#define WIDEN_Q8(qs, sc, n, nb, b, lo, hi)                                                     \
+    do {                                                                                       \
+        const int8_t* q = (const int8_t*)(qs) + ((size_t)(n) * (nb) + (b)) * QK;               \
+        const __m512 d = _mm512_set1_ps((sc)[(size_t)(n) * (nb) + (b)]);                       \
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                            \
+                 _mm_loadu_si128((const __m128i*)q))), d);                                     \
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                            \
+                 _mm_loadu_si128((const __m128i*)(q + 16)))), d);                              \
+    } while (0)
+
+#else /* portable */
+#define Q_TILE(NAME, MT, WIDEN)                                                              \
+    static void NAME(const uint8_t* qs, const float* sc, const float* x, int K, float* y,   \
+                     int N, int n0, int n1) {                                                \
+        const int nb = K / QK;                                                               \
+        for (int n = n0; n < n1; n++) {                                                      \
+            float acc[MT][QK];                                                               \
+            for (int r = 0; r < MT; r++)                                                     \
+                for (int j = 0; j < QK; j++) acc[r][j] = 0.f;                                \
+            for (int b = 0; b < nb; b++) {                                                   \
+                float w[QK];                                                                 \
+                WIDEN(qs, sc, n, nb, b, w);                                                  \
+                for (int r = 0; r < MT; r++) {                                               \
+                    const float* xr = x + (size_t)r * K + (size_t)b * QK;                    \
+                    for (int j = 0; j < QK; j++) acc[r][j] += w[j] * xr[j];                  \
+                }                                                                            \
+            }                                                                                \
+            for (int r = 0; r < MT; r++) {                                                   \
+                float s = 0.f;                                                               \
+                for (int j = 0; j < QK; j++) s += acc[r][j];                                 \
+                y[(size_t)r * N + n] = s;                                                    \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+#define WIDEN_Q4(qs, sc, n, nb, b, w)                                                          \
+    do {                                                                                       \
+        const uint8_t* q = (qs) + ((size_t)(n) * (nb) + (b)) * 16;                             \
+        const float* dm = (sc) + ((size_t)(n) * (nb) + (b)) * 2;                               \
+        for (int j = 0; j < 16; j++) {                                                         \
+            w[j] = dm[0] * (float)(q[j] & 15) + dm[1];                                         \
+            w[j + 16] = dm[0] * (float)(q[j] >> 4) + dm[1];                                    \
+        }                                                                                      \
+    } while (0)
+
+#define WIDEN_Q8(qs, sc, n, nb, b, w)                                                          \
+    do {                                                                                       \
+        const int8_t* q = (const int8_t*)(qs) + ((size_t)(n) * (nb) + (b)) * QK;               \
+        const float d = (sc)[(size_t)(n) * (nb) + (b)];                                        \
+        for (int j = 0; j < QK; j++) w[j] = d * (float)q[j];                                   \
+    } while (0)
+#endif
+
+Q_TILE(q4_1, 1, WIDEN_Q4) Q_TILE(q4_2, 2, WIDEN_Q4) Q_TILE(q4_4, 4, WIDEN_Q4)
+Q_TILE(q4_8, 8, WIDEN_Q4)
+Q_TILE(q8_1, 1, WIDEN_Q8) Q_TILE(q8_2, 2, WIDEN_Q8) Q_TILE(q8_4, 4, WIDEN_Q8)
+Q_TILE(q8_8, 8, WIDEN_Q8)
+
+typedef void (*tile_fn)(const uint8_t*, const float*, const float*, int, float*, int, int, int);
+
+static int gemm(const tile_fn* tiles, const uint8_t* qs, const float* sc, const float* x,
+                float* y, int M, int N, int K, int threads) {
+    if (K % QK || M < 0 || N < 0) return 1;
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        const int n0 = (int)((long)N * t / T), n1 = (int)((long)N * (t + 1) / T);
+        int r = 0;
+        for (; r + 8 <= M; r += 8) tiles[3](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1);
+        if (M - r >= 4) { tiles[2](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1); r += 4; }
+        if (M - r >= 2) { tiles[1](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1); r += 2; }
+        if (M - r >= 1) tiles[0](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1);
+    }
+    return 0;
+}
+
+static const tile_fn Q4_TILES[4] = {q4_1, q4_2, q4_4, q4_8};
+static const tile_fn Q8_TILES[4] = {q8_1, q8_2, q8_4, q8_8};
+
+int mc_q4_gemm(const uint8_t* qs, const float* dm, const float* x, float* y, int M, int N,
+               int K, int threads) {
+    return gemm(Q4_TILES, qs, dm, x, y, M, N, K, threads);
+}
+
+int mc_q8_gemm(const uint8_t* qs, const float* d, const float* x, float* y, int M, int N,
+               int K, int threads) {
+    return gemm(Q8_TILES, qs, d, x, y, M, N, K, threads);
+}
+
+/* Rows n0..n1-1 of W as float32 (out [n1 - n0, K]): for GEMMs of many rows (a prefill),
+ * which run faster as one float32 GEMM over a dequantized slice. */
+int mc_q4_dequant(const uint8_t* qs, const float* dm, float* out, int n0, int n1, int K,
+                  int threads) {
+    if (K % QK) return 1;
+    const int nb = K / QK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = n0; n < n1; n++) {
+        float* o = out + (size_t)(n - n0) * K;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t* q = qs + ((size_t)n * nb + b) * 16;
+            const float d = dm[((size_t)n * nb + b) * 2], m = dm[((size_t)n * nb + b) * 2 + 1];
+            for (int j = 0; j < 16; j++) {
+                o[b * QK + j] = d * (float)(q[j] & 15) + m;
+                o[b * QK + j + 16] = d * (float)(q[j] >> 4) + m;
+            }
+        }
+    }
+    return 0;
+}
+
+int mc_q8_dequant(const uint8_t* qs, const float* d, float* out, int n0, int n1, int K,
+                  int threads) {
+    if (K % QK) return 1;
+    const int nb = K / QK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = n0; n < n1; n++) {
+        float* o = out + (size_t)(n - n0) * K;
+        const int8_t* q = (const int8_t*)qs + (size_t)n * K;
+        for (int b = 0; b < nb; b++) {
+            const float s = d[(size_t)n * nb + b];
+            for (int j = 0; j < QK; j++) o[b * QK + j] = s * (float)q[b * QK + j];
+        }
+    }
+    return 0;
+}

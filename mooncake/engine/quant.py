@@ -1,0 +1,195 @@
+"""Weights kept in the blocks a GGUF file quantizes them in, multiplied in float32.
+
+A decode step on the CPU is bound by reading the weights: SmolLM2-135M's GEMM weights are
+~540 MB in float32 and ~80 MB as the file's Q4_1 blocks (4 bits a value, a scale and a
+minimum per 32 values). `QuantWeight` holds a weight matrix in those blocks and multiplies
+float32 activations by it (`native/quant_gemm.c`: each block is widened to float32 in
+registers, so the result equals a float32 GEMM over the dequantized matrix up to the order
+of the sums; the activations are never quantized). The values are the file's exactly, so
+nothing about the model changes but the speed and the memory.
+
+Formats (K is a multiple of 32; block b of row n covers columns 32b .. 32b+31):
+- "q4": `qs` uint8 [N, K/2], `scales` float32 [N, K/32, 2] = (d, m): w = d * q + m with q in
+  0..15; byte j of a block holds element j in its low nibble, element j + 16 in its high one.
+  GGUF's Q4_1 as it is; Q4_0 (w = d * (q - 8)) as m = -8 d.
+- "q8": `qs` int8 [N, K], `scales` float32 [N, K/32]: w = d * q. GGUF's Q8_0.
+
+Other GGUF types (K-quants, Q5) are dequantized to float32 by the loader as before.
+
+Few rows (a decode batch, <= DIRECT_ROWS) go through the native kernel, which reads each
+block once for up to 8 rows. More rows (a prefill) are compute-bound: the matrix is
+dequantized a slice of at most SLICE_FLOATS values at a time into float32 and multiplied by
+torch's GEMM. Without a C compiler every product takes that second path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mooncake.engine import native
+from mooncake.engine.errors import EngineError
+
+QK = 32  # values per block
+Q4_BLOCK_BYTES = 2 + 2 + QK // 2  # GGUF Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
+Q40_BLOCK_BYTES = 2 + QK // 2  # GGUF Q4_0: fp16 d, 16 bytes of nibbles
+Q8_BLOCK_BYTES = 2 + QK  # GGUF Q8_0: fp16 d, 32 int8
+DIRECT_ROWS = 16  # at most this many rows: the native block kernel
+SLICE_FLOATS = 1 << 21  # a prefill dequantizes at most this many values at a time (8 MiB)
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what stays quantized
+
+Kind = Literal["q4", "q8"]
+
+
+@dataclass
+class QuantWeight:
+    kind: Kind
+    qs: Tensor
+    scales: Tensor
+    out_features: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        n, k = self.out_features, self.in_features
+        if k % QK:
+            raise EngineError(f"a quantized weight needs {QK}-value blocks, not {k} columns")
+        want_qs = (n, k // 2) if self.kind == "q4" else (n, k)
+        want_sc = (n, k // QK, 2) if self.kind == "q4" else (n, k // QK)
+        if tuple(self.qs.shape) != want_qs or tuple(self.scales.shape) != want_sc:
+            raise EngineError(
+                f"{self.kind} weight of {n}x{k}: blocks {tuple(self.qs.shape)} and scales "
+                f"{tuple(self.scales.shape)}, expected {want_qs} and {want_sc}"
+            )
+        self.qs, self.scales = self.qs.contiguous(), self.scales.float().contiguous()
+        # A decode step makes ~120 of these calls: what they need is looked up once.
+        self._fast: tuple[Any, int, int] | None = None
+
+    def _direct(self) -> tuple[Any, int, int] | None:
+        """The native GEMM and the blocks' addresses, or None where there is no kernel."""
+        if self._fast is None and self.qs.device.type == "cpu":
+            kernels = native.load_quant()
+            if kernels is not None:
+                gemm = kernels.q4_gemm if self.kind == "q4" else kernels.q8_gemm
+                self._fast = (gemm, self.qs.data_ptr(), self.scales.data_ptr())
+        return self._fast
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_fast": None}  # addresses do not survive a copy
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 4
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [..., K] float32 -> x @ W.T [..., N] float32."""
+        if x.shape[-1] != self.in_features:
+            raise EngineError(f"{x.shape[-1]} inputs for a weight of {self.in_features}")
+        rows = x.numel() // self.in_features
+        direct = self._direct() if rows <= DIRECT_ROWS and x.device.type == "cpu" else None
+        if direct is None:
+            x2 = x.reshape(rows, self.in_features).float()
+            return self._sliced(x2).view(*x.shape[:-1], self.out_features)
+        gemm, qs, scales = direct
+        x2 = x.float().contiguous()
+        out = x2.new_empty(*x.shape[:-1], self.out_features)
+        _check(gemm(qs, scales, x2.data_ptr(), out.data_ptr(), rows, self.out_features,
+                    self.in_features, torch.get_num_threads()))  # fmt: skip
+        return out
+
+    def _sliced(self, x2: Tensor) -> Tensor:
+        n = self.out_features
+        step = max(1, SLICE_FLOATS // self.in_features)
+        if step >= n:
+            return F.linear(x2, self.dequantize())
+        out = x2.new_empty(x2.shape[0], n)
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            out[:, a:b] = F.linear(x2, self.dequantize(a, b))
+        return out
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> Tensor:
+        """Rows start..stop-1 of the matrix as float32 [rows, K]."""
+        stop = self.out_features if stop is None else stop
+        kernels = native.load_quant() if self.qs.device.type == "cpu" else None
+        if kernels is None:
+            return self._dequantize_torch(torch.arange(start, stop, device=self.qs.device))
+        out = torch.empty(stop - start, self.in_features)
+        fn = kernels.q4_dequant if self.kind == "q4" else kernels.q8_dequant
+        _check(fn(self.qs.data_ptr(), self.scales.data_ptr(), out.data_ptr(), start, stop,
+                  self.in_features, torch.get_num_threads()))  # fmt: skip
+        return out
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """The rows `ids` (any shape) as float32 [*ids.shape, K]: an embedding lookup."""
+        flat = self._dequantize_torch(ids.reshape(-1))
+        return flat.view(*ids.shape, self.in_features)
+
+    def _dequantize_torch(self, ids: Tensor) -> Tensor:
+        n, nb = ids.numel(), self.in_features // QK
+        if self.kind == "q4":
+            qs = self.qs[ids].view(n, nb, QK // 2)
+            q = torch.cat((qs & 15, qs >> 4), dim=-1).float()
+            sc = self.scales[ids]
+            w = q * sc[..., :1] + sc[..., 1:]
+        else:
+            w = self.qs[ids].view(n, nb, QK).float() * self.scales[ids][..., None]
+        return w.reshape(n, self.in_features)
+
+    @staticmethod
+    def cat(parts: Sequence[QuantWeight]) -> QuantWeight:
+        """The weights stacked by rows (one GEMM for q, k and v): all of one kind."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1 or len({p.in_features for p in parts}) != 1:
+            raise EngineError("only weights of one kind and width can be fused")
+        return QuantWeight(
+            parts[0].kind,
+            torch.cat([p.qs for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            sum(p.out_features for p in parts),
+            parts[0].in_features,
+        )
+
+
+def _check(failed: int) -> None:
+    if failed:
+        raise EngineError("quantized GEMM: columns not a whole number of blocks")
+
+
+def from_gguf_blocks(type_name: str, raw: Any, shape: tuple[int, int]) -> QuantWeight:
+    """A weight of `shape` (rows, columns) from a GGUF tensor's raw blocks (uint8, one row of
+    blocks per matrix row) of type Q4_0, Q4_1 or Q8_0."""
+    n, k = shape
+    data = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(n, -1)
+    nb = k // QK
+    if type_name == "Q8_0":
+        blocks = data.reshape(n, nb, Q8_BLOCK_BYTES)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+        return QuantWeight("q8", torch.from_numpy(q), torch.from_numpy(d), n, k)
+    if type_name == "Q4_1":
+        blocks = data.reshape(n, nb, Q4_BLOCK_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+    elif type_name == "Q4_0":
+        blocks = data.reshape(n, nb, Q40_BLOCK_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = -8.0 * d
+        qs = blocks[..., 2:]
+    else:
+        raise EngineError(f"GGUF type {type_name} is not kept quantized")
+    scales = np.stack((d, m), axis=-1)
+    qs = np.ascontiguousarray(qs).reshape(n, k // 2)
+    return QuantWeight("q4", torch.from_numpy(qs.copy()), torch.from_numpy(scales), n, k)
+
+
+def permute_rows(w: QuantWeight, order: np.ndarray) -> QuantWeight:
+    """The same weight with its rows in `order` (undoing GGUF's q/k row interleaving)."""
+    idx = torch.from_numpy(np.asarray(order, dtype=np.int64))
+    return QuantWeight(w.kind, w.qs[idx], w.scales[idx], w.out_features, w.in_features)

@@ -1,0 +1,165 @@
+"""Weights kept in GGUF's quantized blocks (engine.quant): the same values as gguf's own
+dequantization, products equal to float32 GEMMs over those values, and a model whose logits
+stay within a stated tolerance of the float32 one.
+
+Tolerance: the blocks hold exactly the values `gguf.quants.dequantize` gives (checked bit for
+bit below), and the activations stay float32, so a product differs from the float32 GEMM
+only by the order of its sums. For a whole SmolLM2 forward that is ~1e-4 on logits of
+O(10-30) (measured: 1.4e-4 over 1,200 positions), so LOGIT_ATOL = 2e-3 (the tolerance of
+test_reference.py) catches any real error (a wrong nibble order or scale moves logits by
+O(1)) and allows reordering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake.engine import DecodeBatch, Engine, SamplingParams, native
+from mooncake.engine.errors import EngineError
+from mooncake.engine.gguf_loader import LoadedModel, load_gguf, smollm2_path
+from mooncake.engine.model import Block
+from mooncake.engine.quant import QuantWeight, from_gguf_blocks, permute_rows
+from mooncake.engine.spec import ModelSpec
+
+LOGIT_ATOL = 2e-3
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _blocks(type_name: str, rows: int, cols: int, seed: int) -> tuple[QuantWeight, np.ndarray]:
+    """A random matrix quantized by gguf, as a QuantWeight, and gguf's dequantization of it."""
+    rng = np.random.default_rng(seed)
+    data = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 3)).astype(np.float32)
+    qtype = GGMLQuantizationType[type_name]
+    raw = quantize(data, qtype)
+    return from_gguf_blocks(type_name, raw, (rows, cols)), dequantize(raw, qtype)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_blocks_hold_the_files_values_exactly(type_name: str) -> None:
+    w, expected = _blocks(type_name, 24, 96, seed=1)
+    assert np.array_equal(w.dequantize().numpy(), expected)  # the native dequantization
+    ids = torch.tensor([[5, 0], [23, 5]])
+    assert np.array_equal(w.rows(ids).numpy(), expected[ids.numpy()])  # the torch lookup
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    type_name=st.sampled_from(TYPES),
+    rows=st.integers(1, 40),  # every tile (8, 4, 2, 1 rows) and the sliced prefill path
+    out_features=st.integers(1, 70),
+    blocks=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_products_equal_float32_gemm(
+    type_name: str, rows: int, out_features: int, blocks: int, seed: int
+) -> None:
+    w, dense = _blocks(type_name, out_features, 32 * blocks, seed)
+    x = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal((rows, 32 * blocks)))
+    x = x.float()
+    want = x @ torch.from_numpy(dense).t()
+    got = w(x)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    scale = want.abs().max().item() + 1
+    assert (got - want).abs().max().item() <= 1e-5 * scale * blocks
+
+
+def test_many_rows_are_sliced_and_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill's product over a matrix larger than a slice: dequantized a slice at a time."""
+    import mooncake.engine.quant as quant
+
+    monkeypatch.setattr(quant, "SLICE_FLOATS", 64 * 5)  # 5 rows of 64 columns a slice
+    w, dense = _blocks("Q4_1", 23, 64, seed=3)
+    x = torch.randn(3, 17, 64)
+    want = x @ torch.from_numpy(dense).t()
+    assert torch.allclose(w(x), want, atol=1e-4)
+
+
+def test_without_a_compiler_the_torch_path_gives_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    for type_name in TYPES:
+        w, dense = _blocks(type_name, 20, 64, seed=4)
+        x = torch.randn(5, 64)
+        native_out = w(x)
+        monkeypatch.setattr(native, "load_quant", lambda: None)
+        fresh = QuantWeight(w.kind, w.qs, w.scales, w.out_features, w.in_features)
+        assert torch.allclose(fresh(x), native_out, atol=1e-4)
+        assert np.array_equal(fresh.dequantize().numpy(), dense)
+        monkeypatch.undo()
+
+
+def test_bad_shapes_are_refused() -> None:
+    w, _ = _blocks("Q8_0", 4, 64, seed=5)
+    with pytest.raises(EngineError, match="32-value blocks"):
+        QuantWeight("q8", w.qs[:, :48], w.scales[:, :1], 4, 48)
+    with pytest.raises(EngineError, match="expected"):
+        QuantWeight("q8", w.qs, w.scales[:, :1], 4, 64)
+    with pytest.raises(EngineError, match="inputs"):
+        w(torch.randn(2, 32))
+    q4, _ = _blocks("Q4_1", 4, 64, seed=6)
+    with pytest.raises(EngineError, match="one kind"):
+        QuantWeight.cat([w, q4])
+
+
+def test_fused_and_permuted_rows() -> None:
+    a, da = _blocks("Q4_1", 6, 64, seed=7)
+    b, db = _blocks("Q4_1", 3, 64, seed=8)
+    fused = QuantWeight.cat([a, b])
+    assert np.array_equal(fused.dequantize().numpy(), np.concatenate([da, db]))
+    order = np.array([2, 0, 1, 5, 4, 3])
+    assert np.array_equal(permute_rows(a, order).dequantize().numpy(), da[order])
+
+
+def test_a_partly_quantized_fused_gemm_falls_back_to_float() -> None:
+    spec = ModelSpec(vocab_size=64, hidden=64, layers=1, heads=4, kv_heads=2, ffn=96, context=64)
+    block = Block(spec)
+    q, dense_q = _blocks("Q8_0", 64, 64, seed=9)
+    o, _ = _blocks("Q4_1", 64, 64, seed=10)
+    block.use_quantized({"q": q, "o": o})
+    assert set(block.quant) == {"o"}  # k and v have no blocks: q, k, v stay float
+    assert np.array_equal(block.q.weight.detach().numpy(), dense_q)
+    assert block.o.weight.numel() == 0  # the float copy of o is freed
+
+
+@pytest.fixture(scope="module")
+def float32_model() -> LoadedModel:
+    try:
+        path = smollm2_path()
+    except EngineError as e:
+        pytest.skip(str(e))
+    return load_gguf(path, weights="float32")
+
+
+def test_smollm2_quantized_matches_float32(
+    smollm2: LoadedModel,
+    float32_model: LoadedModel,
+    engine: Engine,
+    chat: Callable[[str], list[int]],
+) -> None:
+    """The served model (quantized blocks) against the same file dequantized to float32:
+    logits within LOGIT_ATOL, the same greedy tokens, ~1/5 of the weight memory."""
+    assert smollm2.model.quantized(), "the GGUF's Q4_1 / Q8_0 weights should stay in blocks"
+    assert not float32_model.model.quantized()
+    assert smollm2.model.weight_bytes() < float32_model.model.weight_bytes() / 4
+    ref = Engine(float32_model.model, float32_model.tokenizer, block_tokens=engine.block_tokens)
+    tokens = chat("Explain in one sentence why caching helps a web server.")
+    ours = engine.prefill(tokens, all_logits=True)
+    theirs = ref.prefill(tokens, all_logits=True)
+    diff = (ours.logits - theirs.logits).abs().max().item()
+    print("max |logit difference| quantized vs float32:", diff)
+    assert diff <= LOGIT_ATOL
+    outputs = []
+    for e, first in ((engine, ours), (ref, theirs)):
+        batch = DecodeBatch(e)
+        done = batch.add("s", first, SamplingParams(max_tokens=24, stop_on_eos=False))
+        while done is None:
+            finished = batch.step()
+            done = finished[0] if finished else None
+        outputs.append(done.tokens)
+    assert outputs[0] == outputs[1]
