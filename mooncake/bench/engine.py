@@ -21,6 +21,17 @@ machine lands on both sides of a pair rather than on one side's median.
 - `prefix_hit_speedup`: prefill of a 2,048-token prompt with nothing cached divided by the
   same prompt with its first 1,792 tokens (7 blocks of 256) handed over as cached KV blocks;
   the cached side's time includes building its KV from the blocks.
+- `weights`: how the engine holds the weights (`quantized`: the GGUF's Q4_1 / Q8_0 blocks,
+  multiplied in float32, what workers serve with; `float32`: dequantized on load). With
+  `quantized`, the same decode runs against the float32 engine in the same run:
+  `float32_decode_tok_s_b1` and `decode_b1_over_float32`, and `logits_max_abs_diff` between
+  the two over the prefill prompt.
+- `llamacpp_*` (only where `llama-cpp-python` is installed, the optional `anchors` extra):
+  llama.cpp on the same GGUF with as many threads as torch, in the same run, paired like the
+  rest: `llamacpp_prefill_tok_s` (the prefill prompt), `llamacpp_decode_tok_s_b1` (greedy
+  decode after a 512-token prompt; the engine's side decodes after the same prompt), and
+  `llamacpp_prefill_ratio`, `llamacpp_decode_ratio` (ours over theirs), and
+  `b8_over_llamacpp_b1` (the engine's batch-8 tok/s over llama.cpp's batch 1).
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -41,6 +52,7 @@ Log = Callable[[str], None]
 PREFIX_PROMPT = 2048
 PREFIX_CACHED = 1792
 PREFIX_BLOCK = 256
+LLAMACPP_DECODE_PROMPT = 512
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -74,6 +86,102 @@ def _paired(
         b.append(theirs())
     ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
     return statistics.median(a), statistics.median(b), ratio
+
+
+def _load_llamacpp(threads: int, context: int) -> Any | None:
+    """llama.cpp on the same GGUF, or None where llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp.Llama(
+        model_path=str(smollm2_path()), n_ctx=context, n_batch=512, n_threads=threads,
+        n_threads_batch=threads, logits_all=False, verbose=False,
+    )  # fmt: skip
+
+
+def _llamacpp_prefill(llm: Any, prompt: list[int]) -> Callable[[], float]:
+    def once() -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        return time.perf_counter() - t0
+
+    return once
+
+
+def _llamacpp_decode(llm: Any, prompt: list[int], steps: int) -> Callable[[], float]:
+    """Seconds of `steps` greedy tokens (argmax of the last logits, then eval of it) after
+    `prompt` (its prefill outside the clock)."""
+    import numpy as np
+
+    def once() -> float:
+        llm.reset()
+        llm.eval(prompt)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([token])
+        return time.perf_counter() - t0
+
+    return once
+
+
+def _bench_llamacpp(
+    engine: Engine,
+    llm: Any,
+    prefill_tokens: int,
+    decode_tokens: int,
+    b8_tok_s: float,
+    reps: int,
+    log: Log,
+) -> dict[str, object]:
+    dev, vocab = torch.device("cpu"), engine.spec.vocab_size
+    prompt = _prompt(prefill_tokens, vocab, 1)
+    log(f"prefill of {prefill_tokens} tokens, engine and llama.cpp")
+    _, t_theirs, pre_ratio = _paired(
+        lambda: _timed(lambda: engine.prefill(prompt), dev), _llamacpp_prefill(llm, prompt), reps
+    )
+    log(f"decode of {decode_tokens} tokens after {LLAMACPP_DECODE_PROMPT}, engine and llama.cpp")
+    p = _prompt(LLAMACPP_DECODE_PROMPT, vocab, 4)
+    d_ours, d_theirs, dec_ratio = _paired(
+        _engine_decode(engine, [p], decode_tokens, dev),
+        _llamacpp_decode(llm, p, decode_tokens),
+        reps,
+    )
+    return {
+        "llamacpp_prefill_tok_s": round(prefill_tokens / t_theirs, 1),
+        "llamacpp_prefill_ratio": round(pre_ratio, 3),
+        "llamacpp_decode_prompt_tokens": LLAMACPP_DECODE_PROMPT,
+        "decode_tok_s_b1_after_512": round(decode_tokens / d_ours, 1),
+        "llamacpp_decode_tok_s_b1": round(decode_tokens / d_theirs, 1),
+        "llamacpp_decode_ratio": round(dec_ratio, 3),
+        "b8_over_llamacpp_b1": round(b8_tok_s * d_theirs / decode_tokens, 3),
+    }
+
+
+def _bench_float32(
+    engine: Engine, tokens: int, prompt_len: int, reps: int, log: Log
+) -> dict[str, object]:
+    """The served (quantized) engine against the same GGUF dequantized to float32."""
+    dev = torch.device("cpu")
+    loaded = load_gguf(smollm2_path(), weights="float32")
+    loaded.model.pack_weights()
+    ref = Engine(loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK)
+    prompt = _prompt(512, engine.spec.vocab_size, 1)
+    diff = (engine.prefill(prompt, all_logits=True).logits
+            - ref.prefill(prompt, all_logits=True).logits).abs().max().item()  # fmt: skip
+    log(f"decode of {tokens} tokens, batch 1, quantized and float32 weights")
+    p1 = _prompt(prompt_len, engine.spec.vocab_size, 2)
+    _, t_float, ratio = _paired(
+        _engine_decode(engine, [p1], tokens, dev), _engine_decode(ref, [p1], tokens, dev), reps
+    )
+    return {
+        "logits_max_abs_diff": round(diff, 6),
+        "float32_decode_tok_s_b1": round(tokens / t_float, 1),
+        "decode_b1_over_float32": round(ratio, 3),
+        "float32_weights_mb": round(ref.model.weight_bytes() / 2**20, 1),
+    }
 
 
 def _load_reference(device: torch.device) -> Any:
@@ -203,22 +311,40 @@ def run_engine_bench(
     reps: int = 5,
     threads: int | None = None,
     device: str = "cpu",
+    weights: Literal["quantized", "float32"] = "quantized",
     log: Log = lambda _: None,
 ) -> dict[str, object]:
     if threads is not None:
         torch.set_num_threads(threads)
     dev = torch.device(device)
     log("loading SmolLM2 (engine) and the transformers reference from the same GGUF")
-    loaded = load_gguf(smollm2_path(), device=dev)
+    loaded = load_gguf(smollm2_path(), device=dev, weights=weights)
+    loaded.model.pack_weights()  # as a serving worker holds them
     engine = Engine(loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK)
     ref = _load_reference(dev)
-    return {
+    quantized = bool(loaded.model.quantized())
+    decode = _bench_decode(engine, ref, decode_tokens, decode_prompt, reps, dev, log)
+    result: dict[str, object] = {
         "model": loaded.name,
         "device": str(dev),
+        "weights": "quantized" if quantized else "float32",
+        "weights_mb": round(loaded.model.weight_bytes() / 2**20, 1),
         "torch_threads": torch.get_num_threads(),
         "reps": reps,
         **_bench_prefill(engine, ref, prefill_tokens, reps, dev, log),
-        **_bench_decode(engine, ref, decode_tokens, decode_prompt, reps, dev, log),
+        **decode,
         **_bench_prefix(engine, reps, dev, log),
-        "torch": torch.__version__,
     }
+    del ref
+    if quantized:
+        result |= _bench_float32(engine, decode_tokens, decode_prompt, reps, log)
+    llm = (
+        _load_llamacpp(torch.get_num_threads(), engine.spec.context) if dev.type == "cpu" else None
+    )
+    if llm is None:
+        log("llama-cpp-python is not installed (pip install '.[anchors]'): no llama.cpp fields")
+    else:
+        b8 = decode["decode_tok_s_b8"]
+        assert isinstance(b8, float)
+        result |= _bench_llamacpp(engine, llm, prefill_tokens, decode_tokens, b8, reps, log)
+    return result | {"torch": torch.__version__}

@@ -141,18 +141,24 @@ def bench_engine(
     reps: Annotated[int, typer.Option(min=1, help="Timed repetitions (median)")] = 5,
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's)")] = None,
     device: Annotated[str, typer.Option(help="torch device")] = "cpu",
+    weights: Annotated[
+        str, typer.Option(help="quantized (the GGUF's blocks, as served) or float32")
+    ] = "quantized",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """SmolLM2 prefill/decode speed vs transformers' LlamaForCausalLM, batch-8 decode, and
-    the prefill speedup of a cached prefix."""
+    """SmolLM2 prefill/decode speed vs transformers' LlamaForCausalLM (and llama.cpp where
+    installed), batch-8 decode, and the prefill speedup of a cached prefix."""
     from mooncake.bench.engine import run_engine_bench
 
+    if weights not in ("quantized", "float32"):
+        raise typer.BadParameter("quantized or float32", param_hint="--weights")
     result = run_engine_bench(
         prefill_tokens=prefill_tokens,
         decode_tokens=decode_tokens,
         reps=reps,
         threads=threads,
         device=device,
+        weights="quantized" if weights == "quantized" else "float32",
         log=err.print,
     )
     print_result("bench engine", result, as_json)
