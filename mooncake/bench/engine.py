@@ -21,6 +21,10 @@ machine lands on both sides of a pair rather than on one side's median.
 - `prefix_hit_speedup`: prefill of a 2,048-token prompt with nothing cached divided by the
   same prompt with its first 1,792 tokens (7 blocks of 256) handed over as cached KV blocks;
   the cached side's time includes building its KV from the blocks.
+- `decode_path`: how decode steps run (`fused`: each layer in one native call, engine.fused;
+  `eager`: the model's forward op by op).
+  With `fused`, the same decode op by op in the same run: `eager_decode_tok_s_b1` / `_b8`
+  and `fused_over_eager_b1` / `_b8`.
 - `weights`: how the engine holds the weights (`quantized`: the GGUF's Q4_1 / Q8_0 blocks,
   multiplied in float32, what workers serve with; `float32`: dequantized on load). With
   `quantized`, the same decode runs against the float32 engine in the same run:
@@ -120,8 +124,10 @@ def _llamacpp_decode(llm: Any, prompt: list[int], steps: int) -> Callable[[], fl
         llm.eval(prompt)
         t0 = time.perf_counter()
         for _ in range(steps):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            llm.eval([token])
+            # The last position's logits as llama.cpp left them (llama-cpp-python keeps
+            # `scores` only with logits_all).
+            last = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+            llm.eval([int(np.argmax(last))])
         return time.perf_counter() - t0
 
     return once
@@ -157,6 +163,29 @@ def _bench_llamacpp(
         "llamacpp_decode_tok_s_b1": round(decode_tokens / d_theirs, 1),
         "llamacpp_decode_ratio": round(dec_ratio, 3),
         "b8_over_llamacpp_b1": round(b8_tok_s * d_theirs / decode_tokens, 3),
+    }
+
+
+def _bench_eager(
+    engine: Engine, tokens: int, prompt_len: int, reps: int, log: Log
+) -> dict[str, object]:
+    """The fused decode step against the model's forward op by op (same weights)."""
+    dev = torch.device("cpu")
+    eager = Engine(engine.model, engine.tokenizer, block_tokens=PREFIX_BLOCK, decode="eager")
+    log(f"decode of {tokens} tokens, batch 1 and 8, fused and eager steps")
+    p1 = _prompt(prompt_len, engine.spec.vocab_size, 2)
+    _, t_eager, ratio = _paired(
+        _engine_decode(engine, [p1], tokens, dev), _engine_decode(eager, [p1], tokens, dev), reps
+    )
+    p8 = [_prompt(prompt_len + 8 * i, engine.spec.vocab_size, 10 + i) for i in range(8)]
+    _, t_eager8, ratio8 = _paired(
+        _engine_decode(engine, p8, tokens, dev), _engine_decode(eager, p8, tokens, dev), reps
+    )
+    return {
+        "eager_decode_tok_s_b1": round(tokens / t_eager, 1),
+        "fused_over_eager_b1": round(ratio, 3),
+        "eager_decode_tok_s_b8": round(8 * tokens / t_eager8, 1),
+        "fused_over_eager_b8": round(ratio8, 3),
     }
 
 
@@ -329,6 +358,7 @@ def run_engine_bench(
         "device": str(dev),
         "weights": "quantized" if quantized else "float32",
         "weights_mb": round(loaded.model.weight_bytes() / 2**20, 1),
+        "decode_path": engine.decode_path,
         "torch_threads": torch.get_num_threads(),
         "reps": reps,
         **_bench_prefill(engine, ref, prefill_tokens, reps, dev, log),
@@ -336,6 +366,8 @@ def run_engine_bench(
         **_bench_prefix(engine, reps, dev, log),
     }
     del ref
+    if engine.fused is not None:
+        result |= _bench_eager(engine, decode_tokens, decode_prompt, reps, log)
     if quantized:
         result |= _bench_float32(engine, decode_tokens, decode_prompt, reps, log)
     llm = (

@@ -142,7 +142,11 @@ class DecodeBatch:
         device = self.engine.device
         ids = torch.tensor([[s.output[-1]] for s in seqs], device=device)
         backend = PagedDecode(self.pool, [s.kv for s in seqs])
-        logits = self.engine.model(ids, backend.positions[:, None], backend)
+        fused = self.engine.fused
+        if fused is not None:
+            logits = fused(ids, backend)
+        else:
+            logits = self.engine.model(ids, backend.positions[:, None], backend)
         for s in seqs:
             s.kv.length += 1
         # Greedy rows (the common case) take their token from one argmax over the batch.

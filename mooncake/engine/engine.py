@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from mooncake.engine.errors import EngineError
+from mooncake.engine.fused import FusedDecode
 from mooncake.engine.kv import BlockLayout
 from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks
 from mooncake.engine.paged import PagedPrefill
@@ -54,6 +56,7 @@ class Engine:
         hash_seed: int = 0,
         model_id: str = "model",
         kv_budget_bytes: int | None = None,
+        decode: Literal["fused", "eager"] = "fused",
     ) -> None:
         if block_tokens < 1:
             raise EngineError("block_tokens must be positive")
@@ -75,6 +78,13 @@ class Engine:
             budget_bytes=budget,
             page_tokens=page_tokens_for(block_tokens),
         )
+        # A decode step's layers in one native call each where that applies (engine.fused).
+        self.fused = FusedDecode.of(model, self.pool) if decode == "fused" else None
+
+    @property
+    def decode_path(self) -> str:
+        """How decode steps run: "fused" (engine.fused) or "eager" (the model's forward)."""
+        return "fused" if self.fused is not None else "eager"
 
     @property
     def device(self) -> torch.device:

@@ -495,7 +495,7 @@ class Decoder(nn.Module):
         last_only: bool = True,
     ) -> Tensor:
         """tokens, positions [B, S] -> logits [B, V] (last position) or [B, S, V]."""
-        x = self.embed(tokens) if self.quant_embed is None else self.quant_embed.rows(tokens)
+        x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions)
         last = len(self.layers) - 1
         for i, block in enumerate(self.layers):
@@ -503,8 +503,14 @@ class Decoder(nn.Module):
             x, k, v = block(x, cos, sin, i, backend, last_only and i == last)
             hooks.after_layer(i, k, v)
             del k, v  # not held while the next layer computes its own
-        if last_only:
-            x = x[:, -1]
+        return self.logits(x[:, -1] if last_only else x)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens [...] -> their embeddings [..., hidden]."""
+        return self.embed(tokens) if self.quant_embed is None else self.quant_embed.rows(tokens)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The last layer's output [..., hidden] -> logits [..., V] (final norm, head)."""
         x = self.norm(x)
         if self.quant_head is not None:
             return self.quant_head(x)

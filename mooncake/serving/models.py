@@ -46,9 +46,12 @@ def build_engine(settings: Settings) -> Engine:
         hash_seed=settings.hash_seed,
         model_id=settings.model_id,
         kv_budget_bytes=kv_budget_bytes(settings),
+        decode=s.decode,
     )
     # Prefill and decode workers embed a store node whose DRAM segment they hold too.
     log.info("%s", memory_statement(engine, settings.store.dram_bytes))
+    kept = "quantized blocks" if model.quantized() else "float32"
+    log.info("engine: weights as %s, %s decode steps", kept, engine.decode_path)
     return engine
 
 

@@ -4,6 +4,7 @@ greedy tokens fed back one at a time, and the fields computed from the paired ti
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import numpy as np
@@ -12,12 +13,25 @@ from mooncake.bench import engine as bench
 from mooncake.engine import Engine
 
 
+class FakeContext:
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits = logits
+
+    def get_logits_ith(self, i: int) -> object:
+        assert i == -1
+        return self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+
 class FakeLlama:
-    """Records what it is asked to evaluate; its logits favour token (n_tokens * 7) % V."""
+    """Records what it is asked to evaluate; its last logits favour token (n_tokens * 7) % V."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab, self.n_tokens, self.evals = vocab, 0, []
-        self.scores = np.zeros((4096, vocab), dtype=np.float32)
+        self.last = np.zeros(vocab, dtype=np.float32)
+        self._ctx = FakeContext(self.last)
+
+    def n_vocab(self) -> int:
+        return self.vocab
 
     def reset(self) -> None:
         self.n_tokens = 0
@@ -26,8 +40,8 @@ class FakeLlama:
         self.evals.append(list(tokens))
         time.sleep(0.005)  # a time that does not round to nothing against the engine's
         self.n_tokens += len(tokens)
-        self.scores[self.n_tokens - 1] = 0
-        self.scores[self.n_tokens - 1, (self.n_tokens * 7) % self.vocab] = 1
+        self.last[:] = 0
+        self.last[(self.n_tokens * 7) % self.vocab] = 1
 
 
 def test_llamacpp_decode_feeds_back_its_greedy_tokens() -> None:

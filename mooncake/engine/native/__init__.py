@@ -1,5 +1,6 @@
-"""Native kernels the engine builds at run time: decode attention over the paged KV pool, and
-GEMMs over block-quantized weights (`quant_gemm.c`, see `engine.quant`).
+"""Native kernels the engine builds at run time: decode attention over the paged KV pool,
+GEMMs over block-quantized weights (`quant_gemm.c`, see `engine.quant`), and a whole decoder
+layer of a decode step (`decode_layer.c`, see `engine.fused`).
 
 torch has no CPU kernel that reads attention keys through a page table: gathering every
 sequence's pages into a padded tensor first costs a full extra copy of the batch's KV per
@@ -38,6 +39,7 @@ log = logging.getLogger("mooncake.engine.native")
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 QUANT_SOURCE = Path(__file__).with_name("quant_gemm.c")
+LAYER_SOURCE = Path(__file__).with_name("decode_layer.c")  # includes the two above
 # Not -ffast-math: gcc links crtfastmath.o into a shared object built with it, which sets
 # flush-to-zero / denormals-are-zero for the whole process when the kernel is loaded (every
 # torch op of the worker would then flush subnormals). The kernel's loops keep independent
@@ -77,16 +79,20 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def build(source: Path, defines: tuple[str, ...] = (), what: str = "") -> Path | None:
-    """The shared object of `source` built with FLAGS and `defines` (cached; see the module
-    docstring), or None where none can be built here (no compiler, a failed build)."""
+def build(
+    source: Path, defines: tuple[str, ...] = (), what: str = "", deps: tuple[Path, ...] = ()
+) -> Path | None:
+    """The shared object of `source` built with FLAGS and `defines` (cached by the source,
+    the files it includes (`deps`), the flags and the CPU; see the module docstring), or None
+    where none can be built here (no compiler, a failed build)."""
     what = what or source.stem
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler: %s takes the slower torch path", what)
         return None
+    text = b"".join(f.read_bytes() for f in (source, *deps))
     digest = hashlib.sha256(
-        source.read_bytes() + " ".join((cc, *FLAGS, *defines)).encode() + _cpu_signature().encode()
+        text + " ".join((cc, *FLAGS, *defines)).encode() + _cpu_signature().encode()
     ).hexdigest()[:20]
     tag = "".join(f"-{d.split('=', 1)[-1]}" for d in defines)
     target = cache_dir() / f"{source.stem}{tag}-{digest}.so"
@@ -213,3 +219,64 @@ def _load_quant() -> QuantKernels | None:
         fn.argtypes, fn.restype = args, i32
         fns.append(fn)
     return QuantKernels(*fns)
+
+
+class MCQWeight(ctypes.Structure):
+    """decode_layer.c's mc_qweight."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("qs", ctypes.c_void_p), ("scales", ctypes.c_void_p)]  # fmt: skip
+
+
+class MCLayerArgs(ctypes.Structure):
+    """decode_layer.c's mc_layer_args."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+        ("w", MCQWeight * 4), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+        ("kpool", ctypes.c_void_p), ("vpool", ctypes.c_void_p), ("page", ctypes.c_void_p),
+        ("offset", ctypes.c_void_p), ("table", ctypes.c_void_p), ("lens", ctypes.c_void_p),
+        ("scratch", ctypes.c_void_p),
+        ("M", ctypes.c_int32), ("hidden", ctypes.c_int32), ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32), ("ffn", ctypes.c_int32), ("rot", ctypes.c_int32),
+        ("max_pages", ctypes.c_int32), ("threads", ctypes.c_int32),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """decode_layer.c built for one (head_dim, page_tokens): `layer(pointer(args))` runs a
+    layer (0, or non-zero for a shape it refuses), `scratch_floats(M, hidden, heads,
+    kv_heads, ffn)` sizes its scratch buffer."""
+
+    layer: ctypes._CFuncPtr  # type: ignore[name-defined]
+    scratch_floats: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
+_layers: dict[tuple[int, int], DecodeLayer | None] = {}
+
+
+def load_decode_layer(head_dim: int, page_tokens: int) -> DecodeLayer | None:
+    """The fused decode layer for this shape, built on first use (None: none here)."""
+    key = (head_dim, page_tokens)
+    with _lock:
+        if key not in _layers:
+            _layers[key] = _load_decode_layer(head_dim, page_tokens)
+        return _layers[key]
+
+
+def _load_decode_layer(head_dim: int, page_tokens: int) -> DecodeLayer | None:
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+    path = build(LAYER_SOURCE, defines, "fused decode layer", deps=(SOURCE, QUANT_SOURCE))
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("loading %s failed (%s): eager decode", path, exc)
+        return None
+    layer, scratch = lib.mc_decode_layer, lib.mc_decode_scratch_floats
+    layer.argtypes, layer.restype = [ctypes.POINTER(MCLayerArgs)], ctypes.c_int
+    scratch.argtypes, scratch.restype = [ctypes.c_int] * 5, ctypes.c_long
+    return DecodeLayer(layer, scratch)
