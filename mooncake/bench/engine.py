@@ -12,6 +12,8 @@ machine lands on both sides of a pair rather than on one side's median.
 - `prefill_tok_s` / `ref_prefill_tok_s`: a `prefill_tokens`-token prompt, logits of the last
   position only (the reference with `logits_to_keep=1`, so neither computes the LM head
   over the whole prompt).
+- `ref_argmax_agreement` / `ref_logits_max_abs_diff`: over every position of that prompt, the
+  share whose most likely next token is the reference's, and the largest logit difference.
 - `decode_tok_s_b1` / `ref_decode_tok_s_b1`: greedy decode of `decode_tokens` tokens after a
   short prompt, batch 1 (prefill not timed). The engine's step includes sampling and the
   batch bookkeeping; the reference loop is `model(next, past_key_values=cache)` + argmax.
@@ -276,11 +278,19 @@ def _bench_prefill(
         lambda: _timed(ref_prefill, dev),
         reps,
     )
+    with torch.inference_mode():
+        ours = engine.prefill(prompt, all_logits=True).logits.float()
+        theirs = ref(ids).logits[0].float()
     return {
         "prefill_tokens": tokens,
         "prefill_tok_s": round(tokens / t_pre, 1),
         "ref_prefill_tok_s": round(tokens / t_ref, 1),
         "prefill_ratio": round(ratio, 3),
+        # Every position's next-token choice and logits, ours against the reference's.
+        "ref_argmax_agreement": round(
+            (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(), 4
+        ),
+        "ref_logits_max_abs_diff": round((ours - theirs).abs().max().item(), 6),
     }
 
 

@@ -161,7 +161,9 @@ def profile_engine(
     return {
         "schema": PROFILE_SCHEMA,
         "model": model_name,
-        "device": f"{device}, {str(engine.model.dtype).removeprefix('torch.')}",
+        "device": f"{device}, {str(engine.model.dtype).removeprefix('torch.')}, "
+        f"{'quantized' if engine.model.quantized() else 'float32'} weights, "
+        f"{engine.decode_path} decode",
         "prefill": profile_prefill(engine, prompts, cached, reps, log),
         "decode": profile_decode(engine, batches, contexts, reps, log),
     }

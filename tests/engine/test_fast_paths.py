@@ -23,7 +23,7 @@ def test_fused_weights_follow_load_state_dict() -> None:
 
 
 def test_small_row_linear_matches_f_linear() -> None:
-    from mooncake.engine.model import linear
+    from mooncake.engine.gemm import linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 40, generator=g)

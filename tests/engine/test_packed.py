@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mooncake.engine import DecodeBatch, Engine, ModelSpec, SamplingParams, dummy_model
-from mooncake.engine.model import _ONEDNN, PACK_MIN_ROWS, SMALL_ROWS, PackedWeight, linear
+from mooncake.engine.gemm import ONEDNN, PACK_MIN_ROWS, SMALL_ROWS, PackedWeight, linear
 
 SPEC = ModelSpec(vocab_size=50, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, context=300)
 
-pytestmark = pytest.mark.skipif(not _ONEDNN, reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not ONEDNN, reason="torch built without oneDNN")
 
 
 def test_packed_linear_matches_f_linear() -> None:

@@ -1,0 +1,103 @@
+"""Float32 GEMMs on the CPU: which kernel a product of few or many rows takes, and the
+oneDNN-packed copies of weights that make the many-row ones fast (measurements in the
+docstrings; BENCHMARKS.md, "bench engine"). Weights kept in quantized blocks are engine.quant's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SMALL_ROWS = 16  # at most this many rows (decode batches): decode-specific fast paths
+PACK_MIN_ROWS = 3  # from this many rows: oneDNN over a packed weight (CPU, float32)
+# What a weight that lives only as its packed copy is left as (an empty float32 tensor).
+PACKED_ONLY = torch.empty(0)
+ONEDNN = bool(torch._C._has_mkldnn) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedWeight:
+    """A oneDNN-packed (blocked layout) copy of a weight, for the CPU float32 GEMMs of
+    PACK_MIN_ROWS or more rows. Measured here over the model's shapes: MKL's GEMM with the
+    weight first (the few-row path below) streams the weight at ~25 GB/s for up to 4
+    columns but ~14 GB/s for 6 or more, and oneDNN over the packed weight at ~20 GB/s for
+    3 to 16 rows, so a batch-8 decode step's GEMMs take ~1.8x less time (a single row
+    stays with MKL's two-column GEMM, faster still); prefill's GEMMs (`F.linear`, MKL)
+    are ~20 % faster too. Same float32 math; the sums are ordered differently, so results
+    differ from MKL's in the last bits only. Built on first use and rebuilt when `weight`
+    is another tensor or one of the `watched` modules' weights (the parameters `weight` is
+    made of) was updated in place; it costs a second copy of the weight in memory, unless
+    the weights are packed for good (`Decoder.pack_weights`, what a serving engine does)."""
+
+    def __init__(self, *watched: nn.Linear | nn.Embedding) -> None:
+        self.watched = watched
+        self.source: Tensor | None = None
+        self.versions: tuple[int, ...] = ()
+        self.packed: Tensor | None = None
+        self.frozen = False  # the packed copy is the only one (`Decoder.pack_weights`)
+
+    def freeze(self, weight: Tensor) -> None:
+        """Pack `weight` now and serve every GEMM from the packed copy from here on (its
+        plain source may then be freed); the copy no longer follows weight updates."""
+        self.frozen = False
+        self(weight)
+        self.source, self.versions, self.frozen = None, (), True
+
+    def __getstate__(self) -> dict[str, object]:
+        # Copies and pickles of a model leave the packed copy behind (rebuilt on use).
+        return {**self.__dict__, "source": None, "versions": (), "packed": None}
+
+    def usable(self, x: Tensor, weight: Tensor) -> bool:
+        return (
+            ONEDNN
+            and x.dtype == weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        )
+
+    def __call__(self, weight: Tensor) -> Tensor:
+        if self.frozen:
+            assert self.packed is not None
+            return self.packed
+        versions = tuple(m.weight._version for m in self.watched)
+        if self.packed is None or self.source is not weight or versions != self.versions:
+            self.packed = None  # free the old copy before building the new one
+            with torch.inference_mode(False), torch.no_grad():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), SMALL_ROWS)
+            self.source, self.versions = weight, versions
+        return self.packed
+
+
+def linear(x: Tensor, weight: Tensor, packed: PackedWeight | None = None) -> Tensor:
+    """x @ weight.T. On the CPU, PACK_MIN_ROWS or more rows by oneDNN over `packed` (see
+    PackedWeight) where given. Otherwise a few rows (a decode step) as (weight @ x.T).T,
+    MKL's weight-major GEMM (`F.linear` with 8 rows costs ~1.3x that over a whole model),
+    one row as two (below); more rows by F.linear."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu":
+        return F.linear(x, weight)
+    x2 = x.reshape(rows, x.shape[-1])
+    out: Tensor
+    if packed is not None and packed.frozen:  # the only copy: any rows (as fast for 1-2)
+        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed(weight), None,
+                                                 "none", [], "")  # fmt: skip
+        return out.view(*x.shape[:-1], out.shape[-1])
+    if packed is not None and rows >= PACK_MIN_ROWS and packed.usable(x, weight):
+        out = torch.ops.mkldnn._linear_pointwise(
+            x2.contiguous(), packed(weight), None, "none", [], ""
+        )
+    elif rows > SMALL_ROWS:
+        return F.linear(x, weight)
+    elif rows == 1:
+        # One row would take MKL's gemv, which streams the weight on one thread: a second
+        # (repeated) row makes it a two-thread gemm, about 2.5x faster here.
+        out = torch.mm(weight, torch.cat((x2, x2)).t())[:, :1].t().contiguous()
+    else:
+        out = torch.mm(weight, x2.t()).t().contiguous()
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def nbytes(t: Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # an opaque oneDNN tensor
+        return t.numel() * t.element_size()
