@@ -30,8 +30,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar, cast
 
 import torch
 
@@ -47,7 +49,7 @@ LAYER_SOURCE = Path(__file__).with_name("decode_layer.c")  # includes the two ab
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
          "-fPIC")  # fmt: skip
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int], PagedDecode | None] = {}
+T = TypeVar("T")
 
 
 def cache_dir() -> Path:
@@ -113,6 +115,31 @@ def build(
     return target
 
 
+_built: dict[tuple[object, ...], object] = {}
+
+
+def _once(key: tuple[object, ...], make: Callable[[], T]) -> T:
+    """make() the first time `key` is asked for (under the lock), the same object after."""
+    with _lock:
+        if key not in _built:
+            _built[key] = make()
+        return cast(T, _built[key])
+
+
+def _open(
+    source: Path, defines: tuple[str, ...], what: str, deps: tuple[Path, ...] = ()
+) -> ctypes.CDLL | None:
+    """The built library of `source` loaded, or None (logged) where it cannot be."""
+    path = build(source, defines, what, deps)
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("loading %s failed (%s): torch path", path, exc)
+        return None
+
+
 @dataclass(frozen=True)
 class PagedDecode:
     """The built kernel for one (head_dim, page_tokens)."""
@@ -154,22 +181,13 @@ class PagedDecode:
 
 def load(head_dim: int, page_tokens: int) -> PagedDecode | None:
     """The kernel for this shape, built on first use (None: none can be built here)."""
-    key = (head_dim, page_tokens)
-    with _lock:
-        if key not in _loaded:
-            _loaded[key] = _load(head_dim, page_tokens)
-        return _loaded[key]
+    return _once(("attention", head_dim, page_tokens), lambda: _load(head_dim, page_tokens))
 
 
 def _load(head_dim: int, page_tokens: int) -> PagedDecode | None:
     defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
-    path = build(SOURCE, defines, "paged decode attention")
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        log.warning("loading %s failed (%s): torch path", path, exc)
+    lib = _open(SOURCE, defines, "paged decode attention")
+    if lib is None:
         return None
     fn = lib.mc_paged_decode_f32
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
@@ -190,25 +208,14 @@ class QuantKernels:
     q8_dequant: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
-_quant: list[QuantKernels | None] = []
-
-
 def load_quant() -> QuantKernels | None:
     """The quantized-weight kernels, built on first use (None: none can be built here)."""
-    with _lock:
-        if not _quant:
-            _quant.append(_load_quant())
-        return _quant[0]
+    return _once(("quant",), _load_quant)
 
 
 def _load_quant() -> QuantKernels | None:
-    path = build(QUANT_SOURCE, (), "quantized-weight GEMM")
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        log.warning("loading %s failed (%s): torch path", path, exc)
+    lib = _open(QUANT_SOURCE, (), "quantized-weight GEMM")
+    if lib is None:
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fns = []
@@ -254,27 +261,17 @@ class DecodeLayer:
     scratch_floats: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
-_layers: dict[tuple[int, int], DecodeLayer | None] = {}
-
-
 def load_decode_layer(head_dim: int, page_tokens: int) -> DecodeLayer | None:
     """The fused decode layer for this shape, built on first use (None: none here)."""
-    key = (head_dim, page_tokens)
-    with _lock:
-        if key not in _layers:
-            _layers[key] = _load_decode_layer(head_dim, page_tokens)
-        return _layers[key]
+    return _once(
+        ("layer", head_dim, page_tokens), lambda: _load_decode_layer(head_dim, page_tokens)
+    )
 
 
 def _load_decode_layer(head_dim: int, page_tokens: int) -> DecodeLayer | None:
     defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
-    path = build(LAYER_SOURCE, defines, "fused decode layer", deps=(SOURCE, QUANT_SOURCE))
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        log.warning("loading %s failed (%s): eager decode", path, exc)
+    lib = _open(LAYER_SOURCE, defines, "fused decode layer", deps=(SOURCE, QUANT_SOURCE))
+    if lib is None:
         return None
     layer, scratch = lib.mc_decode_layer, lib.mc_decode_scratch_floats
     layer.argtypes, layer.restype = [ctypes.POINTER(MCLayerArgs)], ctypes.c_int
