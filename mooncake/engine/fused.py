@@ -21,12 +21,13 @@ import torch
 from torch import Tensor
 
 from mooncake.engine import native
-from mooncake.engine.model import Block, Decoder
+from mooncake.engine.model import GEMMS, Block, Decoder
 from mooncake.engine.paged import PagedDecode
 from mooncake.engine.pool import KVPool
 from mooncake.engine.quant import QuantWeight
 
-GEMMS = ("qkv", "o", "gate_up", "down")
+ORDER = tuple(GEMMS)  # qkv, o, gate_up, down: the order of mc_layer_args.w
+assert ORDER == ("qkv", "o", "gate_up", "down")
 KINDS = {"q4": 0, "q8": 1}
 
 
@@ -41,7 +42,7 @@ class FusedDecode:
             a = native.MCLayerArgs()
             a.attn_norm = block.attn_norm.weight.data_ptr()
             a.ffn_norm = block.ffn_norm.weight.data_ptr()
-            for j, name in enumerate(GEMMS):
+            for j, name in enumerate(ORDER):
                 w = block.quant[name]
                 a.w[j] = native.MCQWeight(KINDS[w.kind], w.out_features, w.in_features,
                                           w.qs.data_ptr(), w.scales.data_ptr())  # fmt: skip
@@ -64,7 +65,7 @@ class FusedDecode:
         for block in model.layers:
             assert isinstance(block, Block)
             quant: dict[str, QuantWeight] = block.quant
-            if any(name not in quant or quant[name].kind not in KINDS for name in GEMMS):
+            if any(name not in quant or quant[name].kind not in KINDS for name in ORDER):
                 return None
             norms = (block.attn_norm.weight, block.ffn_norm.weight)
             if any(not n.is_contiguous() or n.dtype != torch.float32 for n in norms):

@@ -101,6 +101,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+# The block's GEMMs and the projections each is made of (q, k, v and gate, up share inputs).
+GEMMS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+
+
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -252,17 +256,12 @@ class Block(nn.Module):
         up, down). A fused GEMM (q+k+v, gate+up) is quantized only when all of its parts
         are, in one format; the rest keep (or get back) their float weights. The float
         weight of a quantized GEMM is freed."""
-        groups = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"),
-                  "down": ("down",)}  # fmt: skip
         with torch.inference_mode(False), torch.no_grad():
-            for name, members in groups.items():
+            for name, members in GEMMS.items():
                 have = [parts[m] for m in members if m in parts]
                 if len(have) == len(members) and len({q.kind for q in have}) == 1:
                     self.quant[name] = QuantWeight.cat(have) if len(have) > 1 else have[0]
-                    for m in members:
-                        getattr(self, m).weight = nn.Parameter(PACKED_ONLY, requires_grad=False)
-                    if name in ("qkv", "gate_up"):
-                        setattr(self, f"_{name}", None)
+                    self._free_float(name)
                     continue
                 for m in members:  # partly quantized: float weights for the whole group
                     if m in parts:
@@ -283,16 +282,18 @@ class Block(nn.Module):
 
     def pack_weights(self) -> None:
         """Keep only the oneDNN-packed copy of every float GEMM weight (see Decoder)."""
-        members = {"qkv": (self.q, self.k, self.v), "o": (self.o,), "gate_up": (self.gate, self.up),
-                   "down": (self.down,)}  # fmt: skip
         for name in self._packed:
             if name in self.quant:
                 continue
             self._packed[name].freeze(self._weight(name))
-            for lin in members[name]:
-                lin.weight = nn.Parameter(PACKED_ONLY, requires_grad=False)
-            if name in ("qkv", "gate_up"):
-                setattr(self, f"_{name}", None)
+            self._free_float(name)
+
+    def _free_float(self, name: str) -> None:
+        """Drop the float weights of GEMM `name` (served from another copy from now on)."""
+        for m in GEMMS[name]:
+            getattr(self, m).weight = nn.Parameter(PACKED_ONLY, requires_grad=False)
+        if len(GEMMS[name]) > 1:
+            setattr(self, f"_{name}", None)  # the fused matrix made of them
 
 
 class Decoder(nn.Module):

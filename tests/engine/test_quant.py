@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from mooncake.engine import DecodeBatch, Engine, SamplingParams, native
 from mooncake.engine.errors import EngineError
-from mooncake.engine.gguf_loader import LoadedModel, load_gguf, smollm2_path
+from mooncake.engine.gguf_loader import LoadedModel
 from mooncake.engine.model import Block
 from mooncake.engine.quant import QuantWeight, from_gguf_blocks, permute_rows
 from mooncake.engine.spec import ModelSpec
@@ -127,27 +127,18 @@ def test_a_partly_quantized_fused_gemm_falls_back_to_float() -> None:
     assert block.o.weight.numel() == 0  # the float copy of o is freed
 
 
-@pytest.fixture(scope="module")
-def float32_model() -> LoadedModel:
-    try:
-        path = smollm2_path()
-    except EngineError as e:
-        pytest.skip(str(e))
-    return load_gguf(path, weights="float32")
-
-
 def test_smollm2_quantized_matches_float32(
     smollm2: LoadedModel,
-    float32_model: LoadedModel,
+    smollm2_float32: LoadedModel,
     engine: Engine,
     chat: Callable[[str], list[int]],
 ) -> None:
     """The served model (quantized blocks) against the same file dequantized to float32:
     logits within LOGIT_ATOL, the same greedy tokens, ~1/5 of the weight memory."""
     assert smollm2.model.quantized(), "the GGUF's Q4_1 / Q8_0 weights should stay in blocks"
-    assert not float32_model.model.quantized()
-    assert smollm2.model.weight_bytes() < float32_model.model.weight_bytes() / 4
-    ref = Engine(float32_model.model, float32_model.tokenizer, block_tokens=engine.block_tokens)
+    assert not smollm2_float32.model.quantized()
+    assert smollm2.model.weight_bytes() < smollm2_float32.model.weight_bytes() / 4
+    ref = Engine(smollm2_float32.model, smollm2_float32.tokenizer, block_tokens=engine.block_tokens)
     tokens = chat("Explain in one sentence why caching helps a web server.")
     ours = engine.prefill(tokens, all_logits=True)
     theirs = ref.prefill(tokens, all_logits=True)

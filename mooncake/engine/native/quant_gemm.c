@@ -30,6 +30,24 @@
 
 #define QK 32
 
+/* Block b of row n as 32 floats (the portable GEMM and the dequantization read blocks so). */
+static inline void block_q4(const uint8_t* qs, const float* sc, int n, int nb, int b,
+                            float* w) {
+    const uint8_t* q = qs + ((size_t)n * nb + b) * 16;
+    const float* dm = sc + ((size_t)n * nb + b) * 2;
+    for (int j = 0; j < 16; j++) {
+        w[j] = dm[0] * (float)(q[j] & 15) + dm[1];
+        w[j + 16] = dm[0] * (float)(q[j] >> 4) + dm[1];
+    }
+}
+
+static inline void block_q8(const uint8_t* qs, const float* sc, int n, int nb, int b,
+                            float* w) {
+    const int8_t* q = (const int8_t*)qs + ((size_t)n * nb + b) * QK;
+    const float d = sc[(size_t)n * nb + b];
+    for (int j = 0; j < QK; j++) w[j] = d * (float)q[j];
+}
+
 #ifdef __AVX512F__
 #define Q_TILE(NAME, MT, WIDEN)                                                              \
     static void NAME(const uint8_t* qs, const float* sc, const float* x, int K, float* y,   \
@@ -99,22 +117,8 @@
         }                                                                                    \
     }
 
-#define WIDEN_Q4(qs, sc, n, nb, b, w)                                                          \
-    do {                                                                                       \
-        const uint8_t* q = (qs) + ((size_t)(n) * (nb) + (b)) * 16;                             \
-        const float* dm = (sc) + ((size_t)(n) * (nb) + (b)) * 2;                               \
-        for (int j = 0; j < 16; j++) {                                                         \
-            w[j] = dm[0] * (float)(q[j] & 15) + dm[1];                                         \
-            w[j + 16] = dm[0] * (float)(q[j] >> 4) + dm[1];                                    \
-        }                                                                                      \
-    } while (0)
-
-#define WIDEN_Q8(qs, sc, n, nb, b, w)                                                          \
-    do {                                                                                       \
-        const int8_t* q = (const int8_t*)(qs) + ((size_t)(n) * (nb) + (b)) * QK;               \
-        const float d = (sc)[(size_t)(n) * (nb) + (b)];                                        \
-        for (int j = 0; j < QK; j++) w[j] = d * (float)q[j];                                   \
-    } while (0)
+#define WIDEN_Q4(qs, sc, n, nb, b, w) block_q4(qs, sc, n, nb, b, w)
+#define WIDEN_Q8(qs, sc, n, nb, b, w) block_q8(qs, sc, n, nb, b, w)
 #endif
 
 Q_TILE(q4_1, 1, WIDEN_Q4) Q_TILE(q4_2, 2, WIDEN_Q4) Q_TILE(q4_4, 4, WIDEN_Q4)
@@ -159,37 +163,24 @@ int mc_q8_gemm(const uint8_t* qs, const float* d, const float* x, float* y, int 
 
 /* Rows n0..n1-1 of W as float32 (out [n1 - n0, K]): for GEMMs of many rows (a prefill),
  * which run faster as one float32 GEMM over a dequantized slice. */
-int mc_q4_dequant(const uint8_t* qs, const float* dm, float* out, int n0, int n1, int K,
-                  int threads) {
+typedef void (*block_fn)(const uint8_t*, const float*, int, int, int, float*);
+
+static int dequant(block_fn block, const uint8_t* qs, const float* sc, float* out, int n0,
+                   int n1, int K, int threads) {
     if (K % QK) return 1;
     const int nb = K / QK;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = n0; n < n1; n++) {
-        float* o = out + (size_t)(n - n0) * K;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t* q = qs + ((size_t)n * nb + b) * 16;
-            const float d = dm[((size_t)n * nb + b) * 2], m = dm[((size_t)n * nb + b) * 2 + 1];
-            for (int j = 0; j < 16; j++) {
-                o[b * QK + j] = d * (float)(q[j] & 15) + m;
-                o[b * QK + j + 16] = d * (float)(q[j] >> 4) + m;
-            }
-        }
-    }
+    for (int n = n0; n < n1; n++)
+        for (int b = 0; b < nb; b++) block(qs, sc, n, nb, b, out + (size_t)(n - n0) * K + b * QK);
     return 0;
+}
+
+int mc_q4_dequant(const uint8_t* qs, const float* dm, float* out, int n0, int n1, int K,
+                  int threads) {
+    return dequant(block_q4, qs, dm, out, n0, n1, K, threads);
 }
 
 int mc_q8_dequant(const uint8_t* qs, const float* d, float* out, int n0, int n1, int K,
                   int threads) {
-    if (K % QK) return 1;
-    const int nb = K / QK;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = n0; n < n1; n++) {
-        float* o = out + (size_t)(n - n0) * K;
-        const int8_t* q = (const int8_t*)qs + (size_t)n * K;
-        for (int b = 0; b < nb; b++) {
-            const float s = d[(size_t)n * nb + b];
-            for (int j = 0; j < QK; j++) o[b * QK + j] = s * (float)q[b * QK + j];
-        }
-    }
-    return 0;
+    return dequant(block_q8, qs, d, out, n0, n1, K, threads);
 }
