@@ -24,6 +24,22 @@ def simulate_run(
     policy: Annotated[
         str, typer.Option(help="Admission policy: none, baseline, early or predicted")
     ] = "early",
+    cache_scope: Annotated[
+        str,
+        typer.Option(
+            help="mooncake: global (one pool, remote prefixes fetched) or local (each prefill "
+            "node reuses only its own DRAM)"
+        ),
+    ] = "global",
+    scheduler: Annotated[
+        str,
+        typer.Option(
+            help="mooncake: conductor (Algorithm 1), load-balance (least queue, no prefix "
+            "matching) or random"
+        ),
+    ] = "conductor",
+    ttft_slo: Annotated[float, typer.Option(help="TTFT SLO in seconds")] = 30.0,
+    tbt_slo: Annotated[float, typer.Option(help="TBT SLO in seconds")] = 0.1,
     speed: Annotated[float, typer.Option(help="Replay speed factor")] = 1.0,
     limit: Annotated[int | None, typer.Option(help="First N requests only")] = None,
     prefill: Annotated[int, typer.Option(help="mooncake prefill instances")] = 8,
@@ -38,7 +54,8 @@ def simulate_run(
     try:
         result = run_one(
             trace, system, policy, speed=speed, limit=limit, prefill=prefill,
-            decode=decode, instances=instances, seed=seed,
+            decode=decode, instances=instances, seed=seed, cache_scope=cache_scope,
+            scheduler=scheduler, ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
         )  # fmt: skip
     except (ValueError, OSError) as exc:
         err.print(f"[red]{exc}[/red]")

@@ -8,7 +8,7 @@ from typing import Any
 from mooncake.core.admission import POLICIES
 from mooncake.sim.paper import TRACES, run_paper
 from mooncake.sim.report import write_report
-from mooncake.sim.runner import SYSTEMS, SimConfig, run_simulation
+from mooncake.sim.runner import CACHE_SCOPES, SCHEDULERS, SYSTEMS, SimConfig, run_simulation
 from mooncake.trace import load_trace
 
 
@@ -23,22 +23,50 @@ def run_one(
     decode: int = 8,
     instances: int = 16,
     seed: int = 0,
+    cache_scope: str = "global",
+    scheduler: str = "conductor",
+    ttft_slo_s: float = 30.0,
+    tbt_slo_s: float = 0.1,
 ) -> dict[str, Any]:
-    if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+    """One run; every argument is checked here, so a bad one is a ValueError naming it
+    (the CLI's exit code 2), never a failure deep in the simulation."""
+    for name, value, allowed in (
+        ("--system", system, SYSTEMS),
+        ("--policy", policy, POLICIES),
+        ("--cache-scope", cache_scope, CACHE_SCOPES),
+        ("--scheduler", scheduler, SCHEDULERS),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} {value!r} is unknown; one of {', '.join(allowed)}")
+    for name, num in (("--speed", speed), ("--ttft-slo", ttft_slo_s), ("--tbt-slo", tbt_slo_s)):
+        if not num > 0:
+            raise ValueError(f"{name} must be > 0, got {num}")
+    for name, count in (("--prefill", prefill), ("--decode", decode), ("--instances", instances)):
+        if count < 1:
+            raise ValueError(f"{name} must be >= 1, got {count}")
     cfg = SimConfig(
-        system=system,
-        policy=policy,
+        system=system,  # type: ignore[arg-type]  # checked against SYSTEMS above
+        policy=policy,  # type: ignore[arg-type]
         speed=speed,
         prefill_instances=prefill,
         decode_instances=decode,
         instances=instances,
         seed=seed,
+        cache_scope=cache_scope,  # type: ignore[arg-type]
+        scheduler=scheduler,  # type: ignore[arg-type]
+        ttft_slo_s=ttft_slo_s,
+        tbt_slo_s=tbt_slo_s,
     )
     res = run_simulation(load_trace(trace, limit=limit), cfg)
-    head = {"system": system, "policy": policy if system == "mooncake" else None}
+    mooncake = system == "mooncake"
+    head = {
+        "system": system,
+        "policy": policy if mooncake else None,
+        "cache_scope": cache_scope if mooncake else None,
+        "scheduler": scheduler if mooncake else None,
+        "ttft_slo_s": ttft_slo_s,
+        "tbt_slo_s": tbt_slo_s,
+    }
     return {**head, "speed": speed, **res.metrics}
 
 

@@ -23,6 +23,9 @@ from mooncake.trace import TraceRequest
 System = Literal["mooncake", "vllm", "vllm-prefix", "vllm-chunked"]
 SYSTEMS: tuple[System, ...] = ("mooncake", "vllm", "vllm-prefix", "vllm-chunked")
 Scheduler = Literal["conductor", "load-balance", "random"]
+SCHEDULERS: tuple[Scheduler, ...] = ("conductor", "load-balance", "random")
+CacheScope = Literal["global", "local"]
+CACHE_SCOPES: tuple[CacheScope, ...] = ("global", "local")
 
 TOKENS_3M_BLOCKS = 5_859  # ≈ 3 M tokens of 512-token blocks (PAPER.md §7: 3 M per node)
 
@@ -38,7 +41,7 @@ class SimConfig:
     seed: int = 0
     block_tokens: int = 512
     cache_blocks_per_node: int | None = TOKENS_3M_BLOCKS  # mooncake DRAM pool, per node
-    cache_scope: Literal["global", "local"] = "global"
+    cache_scope: CacheScope = "global"
     scheduler: Scheduler = "conductor"
     balancing_threshold: float = 2.0
     # vllm-prefix: the prefix cache lives in HBM next to the running KV (≈ 1.3 M tokens).
@@ -98,7 +101,10 @@ def run_simulation(trace: list[TraceRequest], cfg: SimConfig) -> SimResult:
         loop.at(r.arrival, system.arrive, r)
     samples: list[tuple[float, float, float]] = []
     if cfg.sample_every_s > 0 and isinstance(system, MooncakeSystem) and reqs:
-        loop.at(0.0, _sampler, loop, system, cfg.sample_every_s, reqs[-1].arrival, samples)
+        # Over the arrivals' span: a slice cut from the middle of a trace starts late, and
+        # samples of the empty cluster before its first request would dilute every mean.
+        first, last = min(r.arrival for r in reqs), max(r.arrival for r in reqs)
+        loop.at(first, _sampler, loop, system, cfg.sample_every_s, last, samples)
     wall = time.perf_counter()
     end = loop.run()
     metrics = summarize(reqs, cfg.ttft_slo_s, cfg.tbt_slo_s)

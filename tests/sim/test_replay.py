@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from typer.testing import CliRunner
@@ -82,6 +83,45 @@ def test_cli_rejects_an_unknown_system() -> None:
     assert CliRunner().invoke(app, args).exit_code == 2
 
 
+def _run_json(*extra: str) -> dict[str, Any]:
+    args = ["simulate", "run", "--trace", str(CONV), "--limit", "300", "--json", *extra]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    return cast(dict[str, Any], json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_cli_simulate_run_takes_the_scope_scheduler_and_slos() -> None:
+    glob = _run_json("--policy", "none")
+    local = _run_json("--policy", "none", "--cache-scope", "local", "--scheduler", "random")
+    assert (local["cache_scope"], local["scheduler"]) == ("local", "random")
+    assert local["hit_rate"] < glob["hit_rate"]  # random routing over local caches
+    assert local["ttft_mean_s"] > glob["ttft_mean_s"]
+    # A TBT SLO no decode step can meet: `early` turns everything away for decode load.
+    tight = _run_json("--policy", "early", "--tbt-slo", "0.001", "--speed", "3")
+    assert tight["tbt_slo_s"] == 0.001 and tight["speed"] == 3.0
+    assert tight["rejected"] == tight["requests"] == 300
+    loose_ttft = _run_json("--ttft-slo", "1000")
+    assert loose_ttft["rejected"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ("--cache-scope", "regional"),
+        ("--scheduler", "fifo"),
+        ("--tbt-slo", "0"),
+        ("--ttft-slo", "-1"),
+        ("--speed", "0"),
+        ("--decode", "0"),
+    ],
+)
+def test_cli_simulate_run_rejects_bad_values_with_exit_2(bad: tuple[str, str]) -> None:
+    args = ["simulate", "run", "--trace", str(CONV), "--limit", "5", *bad]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 2, out.output
+    assert bad[0] in out.output  # the message names the flag
+
+
 def test_report_writes_markdown(tmp_path: Path) -> None:
     from mooncake.sim.report import write_report
 
@@ -90,3 +130,17 @@ def test_report_writes_markdown(tmp_path: Path) -> None:
     text = written[0].read_text()
     assert "Global pool vs local caches" in text and "| mooncake |" in text
     assert (tmp_path / "load_x.csv").read_text().startswith("t_s,prefill_load,decode_load")
+
+
+def test_load_samples_span_the_arrivals_of_a_slice_cut_from_the_middle(
+    conv: list[TraceRequest],
+) -> None:
+    """A slice that starts late is sampled from its first arrival, not from t = 0."""
+    middle = conv[200:]
+    cfg = SimConfig(sample_every_s=5.0, speed=1.0)
+    res = run_simulation(middle, cfg)
+    first, last = middle[0].arrival_s, middle[-1].arrival_s
+    assert first > 20.0  # the slice really starts late
+    times = [t for t, _, _ in res.load_samples]
+    assert times[0] == pytest.approx(first)
+    assert times[-1] <= last and len(times) == int((last - first) // 5.0) + 1
