@@ -97,7 +97,7 @@ def predicted_decode_load(
     if joining is not None and joining[0] in batches:
         b, c = batches[joining[0]]
         batches[joining[0]] = (b + 1, c + joining[1])
-    tbts = {iid: costs.decode.decode_step_s(b, c) for iid, (b, c) in batches.items()}
+    tbts = {iid: cd.batch_tbt_s(view, costs, b, c) for iid, (b, c) in batches.items()}
     mean = sum(tbts.values()) / len(tbts) if tbts else 0.0
     return mean, tbts
 
@@ -155,14 +155,18 @@ def prefill_stage_check(
 
 
 def decode_stage_check(
-    decode: DecodeInstance, context_tokens: int, cfg: cd.ConductorConfig, costs: Costs
+    view: ClusterView,
+    decode: DecodeInstance,
+    context_tokens: int,
+    cfg: cd.ConductorConfig,
+    costs: Costs,
 ) -> StageVerdict:
     """The decode instance's check when a prefilled request reaches it: its current running
     batch plus this request, against the TBT limit (and its KV capacity, if bounded)."""
     room = decode.kv_room()  # this request's own reservation is not counted against it
     if room is not None and context_tokens > room:
         return StageVerdict(False, float("inf"), float("inf"), RejectReason.DECODE_OVERLOADED)
-    tbt = costs.decode.decode_step_s(decode.batch + 1, decode.context_tokens + context_tokens)
+    tbt = cd.batch_tbt_s(view, costs, decode.batch + 1, decode.context_tokens + context_tokens)
     load = tbt / cfg.tbt_slo_s
     reason = RejectReason.DECODE_OVERLOADED if load > 1.0 else None
     return StageVerdict(reason is None, load, tbt, reason)

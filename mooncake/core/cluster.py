@@ -11,7 +11,9 @@ What it holds:
 - decode instances: the running batch (count, summed context) and the work reserved for
   them by admitted requests whose prefill has not finished;
 - the global block index (`BlockIndex`) fed by store facts;
-- the in-flight requests with the times the predicted-load admission policy needs.
+- the in-flight requests with the times the predicted-load admission policy needs;
+- the output lengths of the latest finished requests (`expected_output_tokens`), the
+  forecast of how far a decoding request's KV still grows.
 
 The view itself is mutable (the block index holds millions of keys; copying it per fact
 would be O(N)); the facts are frozen values, and readers get plain values back.
@@ -19,11 +21,14 @@ would be O(N)); the facts are frozen values, and readers get plain values back.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from mooncake.core.block_index import BlockIndex
+
+OUTPUT_WINDOW = 1024  # finished requests the output forecast averages over
 
 # --- facts (what the worker derives from bus events; what the simulator emits) ----------------
 
@@ -73,6 +78,7 @@ class DecodeStarted:
 @dataclass(frozen=True, slots=True)
 class DecodeFinished:
     request_id: str
+    output_tokens: int | None = None  # tokens it generated, for the view's output forecast
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,9 +208,24 @@ class ClusterView:
         # fetchable by no other, so kept out of `blocks` (the pool Algorithm 1 fetches from).
         self.engine_blocks = BlockIndex()
         self.inflight: dict[str, Inflight] = {}
+        # Output lengths of the latest finished requests: the uniform forecast of how far a
+        # decoding request's context will still grow (`expected_output_tokens`).
+        self._outputs: deque[int] = deque(maxlen=OUTPUT_WINDOW)
+        self._outputs_sum = 0
         # Sorted ids: iteration (and so tie-breaking) does not depend on join order.
         self.prefill_order: tuple[PrefillInstance, ...] = ()
         self.decode_order: tuple[DecodeInstance, ...] = ()
+
+    @property
+    def expected_output_tokens(self) -> float:
+        """Mean output of the last `OUTPUT_WINDOW` finished requests (0 before any has)."""
+        return self._outputs_sum / len(self._outputs) if self._outputs else 0.0
+
+    def _finished_output(self, tokens: int) -> None:
+        if len(self._outputs) == self._outputs.maxlen:
+            self._outputs_sum -= self._outputs[0]
+        self._outputs.append(tokens)
+        self._outputs_sum += tokens
 
     def local_blocks(self, keys: Sequence[str], p: PrefillInstance, in_dram: int) -> int:
         """Leading blocks of `keys` instance `p` holds itself, in its node's DRAM (`in_dram`,
@@ -251,7 +272,11 @@ class ClusterView:
                 self._prefill_finished(rid, now)
             case DecodeStarted(request_id=rid):
                 self._decode_started(rid, now)
-            case DecodeFinished(request_id=rid) | RequestDropped(request_id=rid):
+            case DecodeFinished(request_id=rid, output_tokens=n):
+                if n is not None and n >= 0 and rid in self.inflight:
+                    self._finished_output(n)
+                self._release(rid)
+            case RequestDropped(request_id=rid):
                 self._release(rid)
             case DecodeLoadReported(instance=iid, batch=b, context_tokens=c):
                 if (d := self.decode.get(iid)) is not None:

@@ -114,8 +114,8 @@ def lifecycle_fact(event: ev.Event) -> cl.Fact | None:
             return cl.PrefillFinished(rid)
         case ev.DecodeStarted(request_id=rid):
             return cl.DecodeStarted(rid)
-        case ev.RequestCompleted(request_id=rid):
-            return cl.DecodeFinished(rid)
+        case ev.RequestCompleted(request_id=rid, output_tokens=n):
+            return cl.DecodeFinished(rid, n)
         case (
             ev.RequestFailed(request_id=rid)
             | ev.RequestCancelled(request_id=rid)

@@ -166,7 +166,7 @@ class MooncakeSystem:
         req.first_token(now)
         if req.generated >= req.output:
             req.finished_at = now
-            self.view.apply(cl.DecodeFinished(req.rid), now)
+            self.view.apply(cl.DecodeFinished(req.rid, req.generated), now)
             return
         layer_share = self.costs.transfer.transfer_s(req.prompt) / 80.0
         self.loop.after(layer_share, self._to_decode, req, decision)
@@ -177,7 +177,9 @@ class MooncakeSystem:
         assert decision.decode_instance is not None
         if self.cfg.policy == "baseline":
             inst = self.view.decode[decision.decode_instance]
-            verdict = admission.decode_stage_check(inst, req.prompt, self.ccfg, self.costs)
+            verdict = admission.decode_stage_check(
+                self.view, inst, req.prompt, self.ccfg, self.costs
+            )
             if not verdict.accept:
                 req.wasted_prefill = True
                 self._reject(req, "decode", str(verdict.reason))
@@ -190,7 +192,7 @@ class MooncakeSystem:
             self.view.apply(cl.DecodeStarted(req.rid), self.loop.now)
 
     def _done(self, req: SimRequest) -> None:
-        self.view.apply(cl.DecodeFinished(req.rid), self.loop.now)
+        self.view.apply(cl.DecodeFinished(req.rid, req.generated), self.loop.now)
 
     def _never_fits(self, req: SimRequest) -> None:
         """Its KV needs more pages than the decode instance has at all."""

@@ -56,7 +56,7 @@ def test_busy_decode_baseline_admits_then_the_decode_stage_rejects() -> None:
     assert early.predicted_tbt_s == pytest.approx(0.05646)
     # The decode stage, reached after the prefill, sees the same batch and rejects: the
     # prefill was wasted.
-    verdict = decode_stage_check(v.decode["d0"], 100, CFG_TD, COSTS)
+    verdict = decode_stage_check(v, v.decode["d0"], 100, CFG_TD, COSTS)
     assert not verdict.accept and verdict.reason is RejectReason.DECODE_OVERLOADED
     assert verdict.load == pytest.approx(0.05646 / 0.05)
 
@@ -150,3 +150,39 @@ def test_early_is_algorithm_1s_check_and_admitted_requests_keep_the_slo(
     assert decide("early", v, request(tokens), CFG_TD, COSTS, now) == algorithm1(
         v, request(tokens), CFG_TD, COSTS, now
     )
+
+
+def _finish(v: cl.ClusterView, rid: str, output: int | None, at: float = 0.0) -> None:
+    v.apply(cl.Assigned(rid, "p1", "d0", 10, 0.0, 0.0), at)
+    v.apply(cl.DecodeStarted(rid), at)
+    v.apply(cl.DecodeFinished(rid, output), at)
+
+
+def test_the_view_forecasts_output_from_the_latest_finished_requests() -> None:
+    v = view(2, 2)
+    assert v.expected_output_tokens == 0.0  # nothing finished yet: no growth assumed
+    _finish(v, "a", 100)
+    _finish(v, "b", 300)
+    _finish(v, "c", None)  # a finish that does not say: not counted
+    assert v.expected_output_tokens == pytest.approx(200.0)
+    v.apply(cl.DecodeFinished("a", 10_000), 1.0)  # redelivered: "a" already ended
+    assert v.expected_output_tokens == pytest.approx(200.0)
+    for i in range(cl.OUTPUT_WINDOW):  # the window slides: the oldest ones leave
+        _finish(v, f"w{i}", 50)
+    assert v.expected_output_tokens == pytest.approx(50.0)
+
+
+def test_decode_load_counts_the_growth_of_every_member_by_the_expected_output() -> None:
+    """Step(46, 4600) = 56.46 ms on arrival; once finished requests say a request generates
+    200 tokens, each of the 46 members is counted at +200 tokens: +9,200 tokens of KV,
+    + 0.92 ms. A batch that fits the SLO as admitted but not once grown is turned away."""
+    cfg = ConductorConfig(block_tokens=10, ttft_slo_s=5.0, tbt_slo_s=0.057, uniform_decode_s=10.0)
+    v = view(2, 1)
+    decoding(v, 45, at=0.0)
+    assert decide("early", v, request(), cfg, COSTS, 1.0).admitted  # 56.46 ms <= 57 ms
+    _finish(v, "done", 200)
+    grown = decide("early", v, request(), cfg, COSTS, 1.0)
+    assert grown.predicted_tbt_s == pytest.approx(0.05646 + 46 * 200 * 1e-7)
+    assert grown.reason is RejectReason.TBT_SLO
+    stage = decode_stage_check(v, v.decode["d0"], 100, cfg, COSTS)
+    assert stage.predicted_s == pytest.approx(0.05738) and not stage.accept

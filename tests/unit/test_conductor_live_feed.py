@@ -88,7 +88,7 @@ def test_lifecycle_events_become_facts() -> None:
             cl.PrefillFinished(rid),
         ),
         (ev.DecodeStarted(request_id=rid, instance="d1"), cl.DecodeStarted(rid)),
-        (ev.RequestCompleted(request_id=rid, output_tokens=4), cl.DecodeFinished(rid)),
+        (ev.RequestCompleted(request_id=rid, output_tokens=4), cl.DecodeFinished(rid, 4)),
         (ev.RequestFailed(request_id=rid, reason="x"), cl.RequestDropped(rid)),
         (ev.RequestCancelled(request_id=rid), cl.RequestDropped(rid)),
         (
