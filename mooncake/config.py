@@ -239,8 +239,9 @@ class Settings(BaseSettings):
     # Admission policy (PAPER.md §5). "none" by default: rejecting is only as good as the
     # cost model, and the analytic reference model (LLaMA3-70B on 8xA800) does not describe
     # the machine a default install runs on. Run "predicted" (what Mooncake runs) together
-    # with `conductor.cost_profile` from `mooncake profile engine` on the serving hardware.
-    admission_policy: Literal["none", "baseline", "early", "predicted"] = "none"
+    # with `conductor.cost_profile` from `mooncake profile engine` on the serving hardware;
+    # "forecast" is ours (core/admission.py): the paper's prediction without its uniform t_d.
+    admission_policy: Literal["none", "baseline", "early", "predicted", "forecast"] = "none"
     conductor: ConductorSettings = ConductorSettings()
     gateway: GatewaySettings = GatewaySettings()
 

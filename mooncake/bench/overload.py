@@ -79,7 +79,7 @@ class OverloadOptions:
     trace: Path = DEFAULT_TRACE
     prefill: int = 1
     decode: int = 1
-    policy: Literal["early", "predicted"] = "early"
+    policy: Literal["early", "predicted", "forecast"] = "early"
     # The SLO the admitted requests are held to, at `percentile`. The defaults (30 s /
     # 100 ms) describe the paper's 70B model on A800s; these fit a CPU-sized dummy model.
     ttft_slo_s: float = 2.0
@@ -757,8 +757,10 @@ async def run_overload(
 
     if not 0 < opts.percentile < 1 or not 0 < opts.admit_at <= 1:
         raise ValueError("percentile must be in (0, 1) and admit_at in (0, 1]")
-    if opts.policy not in ("early", "predicted"):
-        raise ValueError("the overload run needs a policy that rejects: early or predicted")
+    if opts.policy not in ("early", "predicted", "forecast"):
+        raise ValueError(
+            "the overload run needs a policy that rejects: early, predicted or forecast"
+        )
     if not opts.factors or min(opts.factors) <= 0 or opts.phase_s <= 0:
         raise ValueError("factors and phase_s must be positive")
     trace = load_trace(opts.trace)

@@ -78,7 +78,9 @@ def bench_pipeline(
 def bench_overload(
     factors: Annotated[str, typer.Option(help="Offered loads, as multiples of capacity")] = "2,4,4",
     phase_s: Annotated[float, typer.Option(help="Seconds each load is offered")] = 30.0,
-    policy: Annotated[str, typer.Option(help="Admission policy: early | predicted")] = "early",
+    policy: Annotated[
+        str, typer.Option(help="Admission policy: early | predicted | forecast")
+    ] = "early",
     ttft_slo: Annotated[float, typer.Option(help="TTFT SLO (s) admitted requests meet")] = 2.0,
     tbt_slo: Annotated[float, typer.Option(help="TBT SLO (s) admitted requests meet")] = 0.25,
     percentile: Annotated[float, typer.Option(help="Percentile the SLO is held at")] = 0.9,
@@ -188,7 +190,7 @@ def bench_memory(
     admission_policy: Annotated[
         str | None,
         typer.Option(
-            help="The Conductor's policy: none | baseline | early | predicted "
+            help="The Conductor's policy: none | baseline | early | predicted | forecast "
             "(default: MOONCAKE_ADMISSION_POLICY, else none)"
         ),
     ] = None,

@@ -183,7 +183,7 @@ def replay(
         bool, typer.Option("--from-db", help="Replay the arrivals recorded in Postgres")
     ] = False,
     policy: Annotated[
-        str, typer.Option(help="Admission policy: none, baseline, early or predicted")
+        str, typer.Option(help="Admission policy: none, baseline, early, predicted or forecast")
     ] = "predicted",
     database_url: Annotated[
         str | None, typer.Option(help="Postgres URL (default: MOONCAKE_DATABASE_URL)")

@@ -22,7 +22,8 @@ def simulate_run(
         "mooncake"
     ),
     policy: Annotated[
-        str, typer.Option(help="Admission policy: none, baseline, early or predicted")
+        str,
+        typer.Option(help="Admission policy: none, baseline, early, predicted or forecast"),
     ] = "early",
     cache_scope: Annotated[
         str,

@@ -12,8 +12,8 @@ What it holds:
   them by admitted requests whose prefill has not finished;
 - the global block index (`BlockIndex`) fed by store facts;
 - the in-flight requests with the times the predicted-load admission policy needs;
-- the output lengths of the latest finished requests (`expected_output_tokens`), the
-  forecast of how far a decoding request's KV still grows.
+- the output lengths and decode times of the latest finished requests (`finished`): how
+  far a decoding request's KV still grows, and how long it will still decode.
 
 The view itself is mutable (the block index holds millions of keys; copying it per fact
 would be O(N)); the facts are frozen values, and readers get plain values back.
@@ -21,14 +21,12 @@ would be O(N)); the facts are frozen values, and readers get plain values back.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from mooncake.core.block_index import BlockIndex
-
-OUTPUT_WINDOW = 1024  # finished requests the output forecast averages over
+from mooncake.core.decode_forecast import FinishedDecodes
 
 # --- facts (what the worker derives from bus events; what the simulator emits) ----------------
 
@@ -208,24 +206,16 @@ class ClusterView:
         # fetchable by no other, so kept out of `blocks` (the pool Algorithm 1 fetches from).
         self.engine_blocks = BlockIndex()
         self.inflight: dict[str, Inflight] = {}
-        # Output lengths of the latest finished requests: the uniform forecast of how far a
-        # decoding request's context will still grow (`expected_output_tokens`).
-        self._outputs: deque[int] = deque(maxlen=OUTPUT_WINDOW)
-        self._outputs_sum = 0
+        # The latest finished requests' outputs and decode times (core/decode_forecast.py).
+        self.finished = FinishedDecodes()
         # Sorted ids: iteration (and so tie-breaking) does not depend on join order.
         self.prefill_order: tuple[PrefillInstance, ...] = ()
         self.decode_order: tuple[DecodeInstance, ...] = ()
 
     @property
     def expected_output_tokens(self) -> float:
-        """Mean output of the last `OUTPUT_WINDOW` finished requests (0 before any has)."""
-        return self._outputs_sum / len(self._outputs) if self._outputs else 0.0
-
-    def _finished_output(self, tokens: int) -> None:
-        if len(self._outputs) == self._outputs.maxlen:
-            self._outputs_sum -= self._outputs[0]
-        self._outputs.append(tokens)
-        self._outputs_sum += tokens
+        """Mean output of the latest finished requests (0 before any)."""
+        return self.finished.mean_output
 
     def local_blocks(self, keys: Sequence[str], p: PrefillInstance, in_dram: int) -> int:
         """Leading blocks of `keys` instance `p` holds itself, in its node's DRAM (`in_dram`,
@@ -273,8 +263,9 @@ class ClusterView:
             case DecodeStarted(request_id=rid):
                 self._decode_started(rid, now)
             case DecodeFinished(request_id=rid, output_tokens=n):
-                if n is not None and n >= 0 and rid in self.inflight:
-                    self._finished_output(n)
+                if (r := self.inflight.get(rid)) is not None:  # else: redelivered
+                    began = r.decode_started_at
+                    self.finished.add(n, None if began is None else now - began)
                 self._release(rid)
             case RequestDropped(request_id=rid):
                 self._release(rid)

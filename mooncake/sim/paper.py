@@ -31,7 +31,8 @@ from mooncake.trace import TraceRequest, load_trace
 TRACES = Path(mooncake.__file__).resolve().parents[2] / "shared" / "traces"
 TRACE_NAMES = ("conversation", "synthetic")
 QUICK_LIMITS = {"conversation": 1500, "synthetic": 800}
-OVERLOAD_POLICIES: tuple[Policy, ...] = ("baseline", "early", "predicted")
+# The paper's three (PAPER.md §5), then ours (core/admission.py `forecast`).
+OVERLOAD_POLICIES: tuple[Policy, ...] = ("baseline", "early", "predicted", "forecast")
 Log = Callable[[str], None]
 Traces = dict[str, list[TraceRequest]]
 

@@ -15,7 +15,7 @@ from mooncake.sim.runner import SYSTEMS
 PAPER_CAPACITY_GAIN = {"conversation": (498, 157, 59), "synthetic": (62, 40, 28)}
 PAPER_HIT_RATIO = {"conversation": 2.22, "synthetic": 2.36}
 PAPER_PREFILL_RATIO = {"conversation": 0.76, "synthetic": 0.52}
-PAPER_REJECTIONS = {"baseline": 4183, "early": 3771, "predicted": 3589}
+PAPER_REJECTIONS = {"baseline": 4183, "early": 3771, "predicted": 3589}  # `forecast` is ours
 PAPER_SCHED_TTFT = {
     "random": 19.65,
     "load-balancing": 5.27,
@@ -87,7 +87,7 @@ def overload_md(r: dict[str, Any]) -> str:
             [p, v["rejected"], v["by_stage"], v["wasted_prefills"], v["goodput"],
              v["prefill_load_mean"], v["decode_load_mean"], v["decode_load_std"],
              v["prefill_decode_corr"],
-             PAPER_REJECTIONS[p] if label == "paper_8p8d" else ""]
+             PAPER_REJECTIONS.get(p, "") if label == "paper_8p8d" else ""]
             for p, v in rows_by.items()
         ]  # fmt: skip
         head = [

@@ -15,6 +15,7 @@ from mooncake.core import cluster as cl
 from mooncake.core.admission import POLICIES, decide, decode_stage_check, prefill_stage_check
 from mooncake.core.conductor import ConductorConfig, ScheduleRequest
 from mooncake.core.conductor import decide as algorithm1
+from mooncake.core.decode_forecast import WINDOW
 from mooncake.events import RejectReason
 
 CFG_TD = ConductorConfig(block_tokens=10, ttft_slo_s=5.0, tbt_slo_s=0.05, uniform_decode_s=10.0)
@@ -167,7 +168,7 @@ def test_the_view_forecasts_output_from_the_latest_finished_requests() -> None:
     assert v.expected_output_tokens == pytest.approx(200.0)
     v.apply(cl.DecodeFinished("a", 10_000), 1.0)  # redelivered: "a" already ended
     assert v.expected_output_tokens == pytest.approx(200.0)
-    for i in range(cl.OUTPUT_WINDOW):  # the window slides: the oldest ones leave
+    for i in range(WINDOW):  # the window slides: the oldest ones leave
         _finish(v, f"w{i}", 50)
     assert v.expected_output_tokens == pytest.approx(50.0)
 
@@ -186,3 +187,46 @@ def test_decode_load_counts_the_growth_of_every_member_by_the_expected_output() 
     assert grown.reason is RejectReason.TBT_SLO
     stage = decode_stage_check(v, v.decode["d0"], 100, cfg, COSTS)
     assert stage.predicted_s == pytest.approx(0.05738) and not stage.accept
+
+
+def test_forecast_keeps_a_request_seen_decoding_past_the_papers_uniform_t_d() -> None:
+    """Arrival at 9.5 with a 1000-token prompt (TTFT 1 s, so `at` = 10.5): the paper's
+    t_d = 10 s retires the 45 requests decoding on d0 since 0.0 and admits (step(1, 1000) =
+    11.1 ms). Once a finished request has decoded for 30 s, nothing says the 45 end by
+    10.5: `forecast` counts them and rejects."""
+    v = view(2, 1)
+    decoding(v, 45, at=0.0)
+    before = decide("forecast", v, request(1000), CFG_TD, COSTS, 9.5)
+    assert before.admitted  # no finished decode yet: the paper's uniform t_d decides
+    assert before.predicted_tbt_s == pytest.approx(0.0111)
+    v.apply(cl.Assigned("long", "p1", "d0", 10, 0.0, 0.0), -21.0)
+    v.apply(cl.DecodeStarted("long"), -21.0)
+    v.apply(cl.DecodeFinished("long", 600), 9.0)
+    assert v.finished.longest == pytest.approx(30.0)
+    assert decide("predicted", v, request(1000), CFG_TD, COSTS, 9.5).admitted
+    d = decide("forecast", v, request(1000), CFG_TD, COSTS, 9.5)
+    assert d.reason is RejectReason.DECODE_OVERLOADED
+    # d0 at 10.5: the 45 and this request, each grown by the mean output (600 tokens).
+    assert d.predicted_tbt_s == pytest.approx(0.05655 + 46 * 600 * 1e-7)
+    assert dict(d.extra)["batch_at"] == 46.0
+
+
+def test_forecast_drops_a_request_past_the_longest_decode_and_one_not_yet_decoding() -> None:
+    """A request decoding for longer than any finished one is taken to end; a request whose
+    prefill ends after `at` is not in the batch at `at`."""
+    v = view(2, 1)
+    v.apply(cl.Assigned("done", "p1", "d0", 10, 0.0, 0.0), 0.0)
+    v.apply(cl.DecodeStarted("done"), 0.0)
+    v.apply(cl.DecodeFinished("done", 0), 5.0)  # the longest decode seen: 5 s
+    decoding(v, 45, at=0.0)  # on d0 since 0.0
+    for i in range(45):  # on d0 too, prefills ending at 20.0
+        v.apply(cl.Assigned(f"late{i}", "p1", "d0", 100, 0.0, 20.0), 0.0)
+    # At 9.5 (`at` 10.5): the 45 decoding have run 10.5 s > 5 s: ended; the 45 late ones
+    # start at 20.0 > 10.5: not there yet. d0 holds only this request: step(1, 1000).
+    d = decide("forecast", v, request(1000), CFG_TD, COSTS, 9.5)
+    assert d.admitted and d.predicted_tbt_s == pytest.approx(0.0111)
+    # Asked at 19.5 (`at` 20.5): the 45 late ones have started (at 20.0), the 45 decoding
+    # since 0.0 are long gone: step(46, 5500) = 56.55 ms > 50 ms.
+    later = decide("forecast", v, request(1000), CFG_TD, COSTS, 19.5)
+    assert dict(later.extra)["batch_at"] == 46.0
+    assert later.reason is RejectReason.DECODE_OVERLOADED
