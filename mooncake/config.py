@@ -145,6 +145,9 @@ class ConductorSettings(BaseModel):
     # polynomial), or None for the analytic model of the paper's reference hardware.
     cost_profile: Path | None = None
     reference_hardware: Literal["8xA800", "8xH800"] = "8xA800"
+    # Refit that predictor from the prefill times and decode steps the workers report
+    # (core/online_cost.py), seeded by the profile or the reference model.
+    online_cost: bool = True
     # KV transfer between nodes, for a profiled (non-reference) deployment: the store's
     # transport bandwidth and latency. KV bytes per token come from the engine settings.
     transfer_bytes_per_s: Annotated[float, Field(gt=0)] = 1e9

@@ -102,6 +102,17 @@ WORK_REDISPATCHED = Counter(
     "Work of a dead instance dispatched again to a live one, by stage",
     ["stage"],
 )
+COST_MODEL_REFITS = Counter(
+    "mc_conductor_cost_model_refits_total",
+    "Refits of the Conductor's online cost model from reported timings, by stage",
+    ["stage"],
+)
+COST_MODEL_ERROR = Gauge(
+    "mc_conductor_cost_model_error_ratio",
+    "Observed / predicted seconds of the latest timing the Conductor's cost model was fed "
+    "(prefill: one request; decode: a report's mean step), by stage",
+    ["stage"],
+)
 REQUESTS_ENDED_BY_CONDUCTOR = Counter(
     "mc_conductor_terminal_total",
     "Terminal events the Conductor published (failed after retries, cancelled), by type",

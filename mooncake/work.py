@@ -95,6 +95,12 @@ class LoadReport(Wire):
     kv_free_tokens: Annotated[int, Field(ge=0)] | None = None
     kv_page_tokens: Annotated[int, Field(ge=1)] | None = None
     preemptions: Annotated[int, Field(ge=0)] = 0
+    # Decode: the steps since the previous report, their mean period (one token of every
+    # running sequence, the TBT they saw) and the mean batch and KV tokens they ran with.
+    steps: Annotated[int, Field(ge=0)] = 0
+    step_s: Annotated[float, Field(gt=0)] | None = None
+    step_batch: Annotated[float, Field(gt=0)] | None = None
+    step_context_tokens: Annotated[float, Field(ge=0)] | None = None
 
 
 class TokenChunk(Wire):

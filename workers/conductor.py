@@ -54,6 +54,7 @@ from mooncake.core import admission, ingress
 from mooncake.core import cluster as cl
 from mooncake.core import conductor as cd
 from mooncake.core.cost_model import Costs
+from mooncake.core.online_cost import observe_fact
 from mooncake.engine.errors import EngineError
 from mooncake.events import RejectReason
 from mooncake.hashing import block_keys
@@ -62,7 +63,7 @@ from mooncake.ratelimit import ClientLimits, Limit
 from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_feed import LiveFeed, Liveness, Member
 from mooncake.serving.conductor_reaper import Reaper
-from mooncake.serving.conductor_setup import build_costs, conductor_config
+from mooncake.serving.conductor_setup import build_costs, conductor_config, online_model
 from mooncake.serving.conductor_terminal import (
     Known,
     KnownRequests,
@@ -130,6 +131,7 @@ class Conductor:
         self._reserved = ingress.reserved_reply_prefixes(ctx.ns.prefix)
         self._cfg = conductor_config(s)
         self._costs = costs
+        self._online = online_model(costs)  # refitted from the workers' timings, or None
         self._clock = clock
         self._subjects = WorkSubjects(ctx.ns)
         self.view = cl.ClusterView()
@@ -154,6 +156,15 @@ class Conductor:
         self.reaper.watch(member)
 
     def _on_fact(self, fact: cl.Fact) -> None:
+        if self._online is not None:
+            refits = self._online.refits
+            stage = observe_fact(self._online, fact)
+            if stage is not None:
+                error = self._online.state().get(f"cost_{stage}_error")
+                if error is not None:
+                    metrics.COST_MODEL_ERROR.labels(stage).set(error)
+                if self._online.refits > refits:
+                    metrics.COST_MODEL_REFITS.labels(stage).inc()
         if isinstance(fact, cl.InstanceJoined):
             log.info("%s instance %s joined (node %s)", fact.role, fact.instance, fact.node)
             self.reaper.revived(fact.instance)
@@ -489,6 +500,8 @@ class Conductor:
                 "prefill": self.liveness.alive("prefill"),
                 "decode": self.liveness.alive("decode"),
             },
+            # The predictor as it stood: refits, samples, fitted or seed, latest error.
+            **({"cost_model": self._online.state()} if self._online is not None else {}),
         }
 
     async def cancel(self, d: Delivery) -> Outcome:

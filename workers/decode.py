@@ -239,6 +239,7 @@ class DecodeWorker:
         self._load_seq += 1
         pool = self.engine.pool
         running = self.jobs.in_stage("running")
+        steps, step_s, step_batch, step_context = self.loop.step_times.take()
         return LoadReport(
             instance=self.instance,
             role="decode",
@@ -252,6 +253,10 @@ class DecodeWorker:
             kv_free_tokens=pool.pages.available * pool.page_tokens,
             kv_page_tokens=pool.page_tokens,
             preemptions=self.loop.preemptions,
+            steps=steps,
+            step_s=step_s,
+            step_batch=step_batch,
+            step_context_tokens=step_context,
         )
 
     async def _load_reports(self) -> None:

@@ -66,6 +66,11 @@ class PrefillStarted:
 @dataclass(frozen=True, slots=True)
 class PrefillFinished:
     request_id: str
+    # How it ran, when the worker says (the online cost model's prefill sample): the
+    # prompt, the tokens reused from cache, and the seconds the prefill took.
+    prompt_tokens: int | None = None
+    cached_tokens: int = 0
+    seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,12 @@ class DecodeLoadReported:
     context_tokens: int
     kv_capacity_tokens: int | None = None
     kv_free_tokens: int | None = None
+    # The decode steps since the previous report (the online cost model's decode sample):
+    # how many, their mean seconds, and the mean batch and KV tokens they ran with.
+    steps: int = 0
+    step_s: float | None = None
+    step_batch: float | None = None
+    step_context_tokens: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -242,6 +242,30 @@ def _sample(s: Mapping[str, Any], x: str, z: str) -> tuple[float, float, float]:
     return float(s[x]), float(s[z]), float(s["seconds"])
 
 
+Sample = tuple[float, float, float]  # (x, z, seconds): (prompt, cached) or (batch, context)
+
+
+def profile_samples(doc: Mapping[str, Any]) -> tuple[list[Sample], list[Sample]]:
+    """A profile document's (prefill, decode) samples, checked (see `parse_profile`)."""
+    if doc.get("schema", PROFILE_SCHEMA) != PROFILE_SCHEMA:
+        raise ValueError(f"unsupported profile schema {doc.get('schema')!r}")
+    pre = [_sample(s, "prompt_tokens", "cached_tokens") for s in doc["prefill"]]
+    dec = [_sample(s, "batch", "context_tokens") for s in doc["decode"]]
+    if any(c > p or c < 0 for p, c, _ in pre):
+        raise ValueError("prefill samples need 0 <= cached_tokens <= prompt_tokens")
+    return pre, dec
+
+
+def fit_prefill(samples: Sequence[Sample]) -> PolyFit:
+    return fit_nonnegative(
+        [prefill_features(p, c) for p, c, _ in samples], [s for *_, s in samples]
+    )
+
+
+def fit_decode(samples: Sequence[Sample]) -> PolyFit:
+    return fit_nonnegative([decode_features(b, c) for b, c, _ in samples], [s for *_, s in samples])
+
+
 def parse_profile(doc: Mapping[str, Any]) -> FittedCostModel:
     """Fit a cost model to a profile document (already `json.load`-ed; reading is I/O).
 
@@ -254,16 +278,8 @@ def parse_profile(doc: Mapping[str, Any]) -> FittedCostModel:
     `cached_tokens` ≤ `prompt_tokens` are reused from cache (their load time included in
     `seconds`); `context_tokens` is the KV length summed over the batch for one step.
     """
-    if doc.get("schema", PROFILE_SCHEMA) != PROFILE_SCHEMA:
-        raise ValueError(f"unsupported profile schema {doc.get('schema')!r}")
-    pre = [_sample(s, "prompt_tokens", "cached_tokens") for s in doc["prefill"]]
-    dec = [_sample(s, "batch", "context_tokens") for s in doc["decode"]]
-    if any(c > p or c < 0 for p, c, _ in pre):
-        raise ValueError("prefill samples need 0 <= cached_tokens <= prompt_tokens")
-    return FittedCostModel(
-        prefill=fit_nonnegative([prefill_features(p, c) for p, c, _ in pre], [s for *_, s in pre]),
-        decode=fit_nonnegative([decode_features(b, c) for b, c, _ in dec], [s for *_, s in dec]),
-    )
+    pre, dec = profile_samples(doc)
+    return FittedCostModel(prefill=fit_prefill(pre), decode=fit_decode(dec))
 
 
 @dataclass(frozen=True, slots=True)

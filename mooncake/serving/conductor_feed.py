@@ -72,7 +72,10 @@ class Liveness:
         m.last_seen, m.seq = now, r.seq
         if r.role == "decode":
             free, cap = r.kv_free_tokens, r.kv_capacity_tokens
-            facts.append(cl.DecodeLoadReported(r.instance, r.running, r.context_tokens, cap, free))
+            steps = (r.steps, r.step_s, r.step_batch, r.step_context_tokens)
+            facts.append(
+                cl.DecodeLoadReported(r.instance, r.running, r.context_tokens, cap, free, *steps)
+            )
         return facts
 
     def expire(self, now: float) -> list[tuple[Member, list[cl.Fact]]]:
@@ -110,8 +113,8 @@ def lifecycle_fact(event: ev.Event) -> cl.Fact | None:
     match event:
         case ev.PrefillStarted(request_id=rid):
             return cl.PrefillStarted(rid)
-        case ev.RequestPrefilled(request_id=rid):
-            return cl.PrefillFinished(rid)
+        case ev.RequestPrefilled(request_id=rid, prompt_tokens=n, cached_tokens=c, prefill_s=t):
+            return cl.PrefillFinished(rid, n, c, t if t > 0 else None)
         case ev.DecodeStarted(request_id=rid):
             return cl.DecodeStarted(rid)
         case ev.RequestCompleted(request_id=rid, output_tokens=n):

@@ -18,8 +18,10 @@ from mooncake.core.cost_model import (
     Costs,
     TransferModel,
     parse_profile,
+    profile_samples,
     reference_costs,
 )
+from mooncake.core.online_cost import OnlineCostModel
 
 HARDWARE = {"8xA800": A800_X8, "8xH800": H800_X8}
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; the engine keeps KV in float32 on CPU.
@@ -47,13 +49,19 @@ def kv_bytes_per_token(engine: EngineSettings) -> int:
 
 
 def costs_from_profile(doc: dict[str, Any], settings: Settings) -> Costs:
-    """A fitted cost model for the profiled engine; transfers over the store's transport."""
+    """A fitted cost model for the profiled engine; transfers over the store's transport.
+    With `conductor.online_cost`, one that refits from the workers' timings, the profile's
+    samples kept as its anchor."""
     fitted = parse_profile(doc)
     c = settings.conductor
     transfer = TransferModel(
         c.transfer_bytes_per_s, c.transfer_latency_s, kv_bytes_per_token(settings.engine)
     )
-    return Costs(fitted, fitted, transfer)
+    if not c.online_cost:
+        return Costs(fitted, fitted, transfer)
+    pre, dec = profile_samples(doc)
+    online = OnlineCostModel(fitted, fitted, prefill_prior=pre, decode_prior=dec)
+    return Costs(online, online, transfer)
 
 
 def build_costs(settings: Settings) -> Costs:
@@ -62,9 +70,18 @@ def build_costs(settings: Settings) -> Costs:
     admission decisions would otherwise rest on the wrong hardware's numbers."""
     path = settings.conductor.cost_profile
     if path is None:
-        return reference_costs(HARDWARE[settings.conductor.reference_hardware])
+        ref = reference_costs(HARDWARE[settings.conductor.reference_hardware])
+        if not settings.conductor.online_cost:
+            return ref
+        online = OnlineCostModel(ref.prefill, ref.decode)
+        return Costs(online, online, ref.transfer)
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a profile is a JSON object")
     return costs_from_profile(doc, settings)
+
+
+def online_model(costs: Costs) -> OnlineCostModel | None:
+    """The online model inside `costs`, if it is one (the Conductor feeds it)."""
+    return costs.prefill if isinstance(costs.prefill, OnlineCostModel) else None

@@ -49,6 +49,41 @@ DRAIN_S = 10.0  # on shutdown, running sequences get this long to finish
 IDLE_WAIT_S = 0.25
 
 
+class StepTimes:
+    """Decode steps since the last load report: the period from one step's start to the
+    next (what every running sequence waited for its token), with the batch and KV tokens
+    of the step that period served. A step after an idle spell starts a new series."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, int, int] | None = None  # (start, batch, context tokens)
+        self.steps = 0
+        self._seconds = self._batch = self._context = 0.0
+
+    def started(self, now: float, batch: int, context_tokens: int) -> None:
+        if self._last is not None:
+            at, b, c = self._last
+            self.steps += 1
+            self._seconds += now - at
+            self._batch += b
+            self._context += c
+        self._last = (now, batch, context_tokens)
+
+    def idle(self) -> None:
+        self._last = None
+
+    def take(self) -> tuple[int, float | None, float | None, float | None]:
+        """(steps, mean seconds, mean batch, mean context tokens) since the last take."""
+        n = self.steps
+        out = (
+            (n, self._seconds / n, self._batch / n, self._context / n)
+            if n
+            else (0, None, None, None)
+        )
+        self.steps = 0
+        self._seconds = self._batch = self._context = 0.0
+        return out
+
+
 class DecodeLoop:
     def __init__(
         self,
@@ -72,6 +107,7 @@ class DecodeLoop:
         self.preemptions = 0
         self.tasks: set[asyncio.Task[None]] = set()
         self._tokens = metrics.TOKENS_GENERATED.labels("decode")
+        self.step_times = StepTimes()  # for the load reports (the Conductor's cost model)
 
     # --- what admission sees ------------------------------------------------------------
 
@@ -113,6 +149,7 @@ class DecodeLoop:
                 self.admit()
                 await self._join_ready()
             if not len(self.batch):
+                self.step_times.idle()
                 self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), IDLE_WAIT_S)
@@ -120,6 +157,10 @@ class DecodeLoop:
             await self._step()
 
     async def _step(self) -> None:
+        running = self.batch.running.values()
+        self.step_times.started(
+            time.monotonic(), len(self.batch), sum(seq.kv.length for seq in running)
+        )
         try:
             finished = await asyncio.to_thread(self.batch.step)
         except Exception as exc:

@@ -659,3 +659,47 @@ async def test_a_completion_the_dead_decode_claimed_but_never_published_is_redon
         with pytest.raises(nats.errors.TimeoutError):  # the cancelled one is not re-run
             await d2_work.fetch(1, timeout=2 * s.bus.ack_wait_s + 1)
         await d2_work.unsubscribe()
+
+
+async def test_the_cost_model_follows_the_prefill_times_the_workers_report(
+    nats_url: str, namespace: str
+) -> None:
+    """Seeded by the reference hardware (an 8xA800 prefills 2,000 tokens in well under a
+    second), the Conductor admits a 2,000-token prompt against a 5 s TTFT SLO. Then the
+    prefill instance reports what it really takes - 5 ms a token - and the refitted model
+    predicts 10 s for the same prompt: rejected on TTFT, the refit in the decision's record
+    and the metric."""
+    from mooncake import metrics
+
+    s = live_settings(nats_url, namespace, admission_policy="early", slo={"ttft_s": 5.0})
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        await cl.submit("r-before", token_ids=tokens(2000))
+        before = await cl.outcome("r-before")
+        assert before["type"] == "request.admitted" and before["predicted_ttft_s"] < 1.0
+        assert before["inputs"]["cost_model"]["cost_prefill_fitted"] == 0.0
+        refits = metrics.COST_MODEL_REFITS.labels("prefill")._value.get()
+        publisher = Publisher(cl.nc, cl.js, cl.ns)
+        for i, n in enumerate((100, 200, 400, 800, 1600, 3200, 150, 300, 600, 1200)):
+            await publisher.publish(
+                ev.RequestPrefilled(
+                    request_id=f"done-{i}", instance="p1", prompt_tokens=n, prefill_s=0.005 * n
+                )
+            )
+
+        async def fitted() -> bool:
+            return (
+                conductor._online is not None
+                and conductor._online.state()["cost_prefill_fitted"] == 1.0
+            )
+
+        await until(fitted, 5, "the prefill refit")
+        await cl.submit("r-after", token_ids=tokens(2000, salt=1))
+        after = await cl.outcome("r-after")
+        assert (after["type"], after["reason"]) == ("request.rejected", "ttft_slo")
+        assert after["predicted_ttft_s"] == pytest.approx(10.0, rel=0.05)
+        state = after["inputs"]["cost_model"]
+        assert state["cost_prefill_fitted"] == 1.0 and state["cost_prefill_refits"] >= 1
+        assert state["cost_prefill_observed"] == 10
+        assert metrics.COST_MODEL_REFITS.labels("prefill")._value.get() > refits

@@ -278,6 +278,19 @@ async def test_concurrent_requests_stream_what_generate_gives(rig: Rig) -> None:
     assert reports and reports[-1].role == "decode" and reports[-1].node == INSTANCE
     assert reports[-1].kv_capacity_tokens == r.worker.engine.pool.capacity_tokens
     assert any(x.running >= 1 and x.context_tokens > 0 for x in reports)
+    # The steps the reports say ran (the Conductor's decode timing samples): each waits at
+    # least the rig's 10 ms delay, and once reported they are the steps the batch ran, less
+    # the first of each busy spell (it has no period before it).
+    ran = len(r.batch.sizes)
+
+    async def reported() -> bool:
+        counted = sum(x.steps for x in r.loads if x.instance == INSTANCE)
+        return ran - 4 <= counted <= ran
+
+    await wait_for(reported, 5, "the load reports to count the steps", interval=0.05)
+    timed = [x for x in r.loads if x.instance == INSTANCE and x.steps]
+    assert all(x.step_s is not None and x.step_s >= 0.01 for x in timed)
+    assert all(x.step_batch is not None and 1 <= x.step_batch <= 4 for x in timed)
 
 
 async def test_kv_miss_recomputes_with_the_same_output(rig: Rig) -> None:

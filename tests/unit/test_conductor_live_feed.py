@@ -85,7 +85,13 @@ def test_lifecycle_events_become_facts() -> None:
         (ev.PrefillStarted(request_id=rid, instance="p1"), cl.PrefillStarted(rid)),
         (
             ev.RequestPrefilled(request_id=rid, instance="p1", prompt_tokens=3),
-            cl.PrefillFinished(rid),
+            cl.PrefillFinished(rid, 3, 0, None),  # no time reported: no cost sample
+        ),
+        (
+            ev.RequestPrefilled(
+                request_id=rid, instance="p1", prompt_tokens=300, cached_tokens=128, prefill_s=0.25
+            ),
+            cl.PrefillFinished(rid, 300, 128, 0.25),
         ),
         (ev.DecodeStarted(request_id=rid, instance="d1"), cl.DecodeStarted(rid)),
         (ev.RequestCompleted(request_id=rid, output_tokens=4), cl.DecodeFinished(rid, 4)),
@@ -159,3 +165,13 @@ def test_a_full_decode_pool_delays_a_request_it_does_not_turn_it_away() -> None:
     full = choose(v, ScheduleRequest("b", 1000, ()), cfg, costs, 0.0)
     assert full is not None and full.decode.id in ("d1", "d2")  # queued there
     assert choose(v, ScheduleRequest("c", 5000, ()), cfg, costs, 0.0) is None
+
+
+def test_a_decode_report_carries_its_steps_to_the_view() -> None:
+    live = Liveness(timeout_s=2.0)
+    r = report("d1", "decode", "n1").model_copy(
+        update={"running": 3, "context_tokens": 900, "steps": 40, "step_s": 0.05,
+                "step_batch": 2.5, "step_context_tokens": 800.0}
+    )  # fmt: skip
+    facts = live.report(r, 0.0)
+    assert facts[-1] == cl.DecodeLoadReported("d1", 3, 900, None, None, 40, 0.05, 2.5, 800.0)

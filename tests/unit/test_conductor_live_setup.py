@@ -14,7 +14,12 @@ from mooncake.config import ConductorSettings, EngineSettings, Settings
 from mooncake.core import conductor as cd
 from mooncake.core.cost_model import AnalyticCostModel, FittedCostModel
 from mooncake.serving import conductor_dispatch as dispatch
-from mooncake.serving.conductor_setup import build_costs, conductor_config, kv_bytes_per_token
+from mooncake.serving.conductor_setup import (
+    build_costs,
+    conductor_config,
+    kv_bytes_per_token,
+    online_model,
+)
 
 
 def test_settings_map_onto_the_core_config() -> None:
@@ -52,11 +57,15 @@ def test_env_reaches_the_conductor_group(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (s.conductor.max_attempts, s.admission_policy) == (7, "predicted")
 
 
-def test_costs_default_to_the_reference_hardware() -> None:
+def test_costs_default_to_the_reference_hardware_corrected_online() -> None:
     costs = build_costs(Settings())
-    assert isinstance(costs.prefill, AnalyticCostModel)
-    assert costs.prefill.hw.name == "8xA800"
-    h800 = build_costs(Settings(conductor=ConductorSettings(reference_hardware="8xH800")))
+    online = online_model(costs)
+    assert online is not None and costs.decode is online
+    assert isinstance(online.seed_prefill, AnalyticCostModel)
+    assert online.seed_prefill.hw.name == "8xA800"
+    fixed = ConductorSettings(reference_hardware="8xH800", online_cost=False)
+    h800 = build_costs(Settings(conductor=fixed))
+    assert online_model(h800) is None
     assert isinstance(h800.prefill, AnalyticCostModel) and h800.prefill.hw.name == "8xH800"
 
 
@@ -79,9 +88,20 @@ def test_costs_from_a_profile_fit_it(tmp_path: Path) -> None:
         conductor=ConductorSettings(cost_profile=path, transfer_bytes_per_s=2e9),
     )
     costs = build_costs(s)
-    assert isinstance(costs.prefill, FittedCostModel)
+    online = online_model(costs)
+    assert online is not None and isinstance(online.seed_prefill, FittedCostModel)
     assert costs.prefill.prefill_s(100, 0) == pytest.approx(1.0, rel=1e-6)
     assert costs.decode.decode_step_s(10, 123) == pytest.approx(0.02, rel=1e-6)
+    # The machine runs prefills twice as slow as profiled: the profile's rows anchor the
+    # refit, the observations move it.
+    for n in (16, 64, 256) * 20:
+        online.observe_prefill(n, 0, 0.02 * n)
+    assert costs.prefill.prefill_s(100, 0) == pytest.approx(2.0, rel=0.1)
+    offline = Settings(
+        engine=EngineSettings(model="dummy"),
+        conductor=ConductorSettings(cost_profile=path, online_cost=False),
+    )
+    assert isinstance(build_costs(offline).prefill, FittedCostModel)
     assert costs.transfer.bandwidth_bytes_per_s == 2e9
     assert costs.transfer.bytes_per_token == kv_bytes_per_token(s.engine)
     path.write_text(json.dumps({**doc, "schema": "other/9"}))
