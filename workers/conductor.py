@@ -268,6 +268,9 @@ class Conductor:
         sreq = cd.ScheduleRequest(request.request_id, len(tokens), tuple(keys))
         now = self._clock()
         decision = admission.decide(self._policy, self.view, sreq, self._cfg, self._costs, now)
+        online = self._online
+        if self._policy != "none" and online is not None and not online.prefill_calibrated:
+            decision = admission.while_calibrating(decision, self.view, now)
         why = None
         if decision.reason is RejectReason.NO_INSTANCE:
             why = self._no_instance_why(len(tokens))

@@ -25,6 +25,7 @@ TBT / TBT limit; a load above 1 breaks the SLO. Every policy runs Algorithm 1's 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -186,6 +187,31 @@ def _forecast(
     extra = (("predicted_at", at), ("batch_at", float(b + 1)))
     return cd.decision_from(
         choice, "forecast", reason, cfg, tbt_s=tbt, decode_load=load, extra=extra
+    )
+
+
+# --- while the cost model is calibrating ----------------------------------------------------------
+
+
+def while_calibrating(decision: cd.Decision, view: ClusterView, now: float) -> cd.Decision:
+    """A rejecting policy's admission while the cost model rests on no measurement of the
+    serving engine - the reference hardware's numbers, no profile, not yet fitted to this
+    cluster's own prefill times (core/online_cost.py): only an idle prefill instance takes
+    work. That seed can be off by orders of magnitude, and every request it admits onto a
+    queue is admitted on that guess; an idle instance's prefill costs nobody a wait, and
+    its timing is what ends the calibration. A live run without it (8xA800 seed on this
+    2-core CPU, `early`, `bench memory` at 5x) admitted the whole burst before the first
+    prefill finished and had not drained it after 13 minutes."""
+    if not decision.admitted or decision.prefill_instance is None:
+        return decision
+    p = view.prefill.get(decision.prefill_instance)
+    if p is None or p.queue_s(now) <= 0.0:
+        return decision
+    return dataclasses.replace(
+        decision,
+        admitted=False,
+        reason=RejectReason.PREFILL_OVERLOADED,
+        extra=(*decision.extra, ("calibrating", 1.0)),
     )
 
 

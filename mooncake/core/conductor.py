@@ -378,6 +378,12 @@ def rejection_detail(d: Decision) -> str:
             return f"predicted TTFT {ttft} ({ttft_parts}) is over the SLO of {ttft_slo}"
         case RejectReason.TBT_SLO:
             return f"predicted TBT {tbt} on {d.decode_instance} is over the SLO of {tbt_slo}"
+        case RejectReason.PREFILL_OVERLOADED if dict(d.extra).get("calibrating"):
+            return (
+                f"{d.prefill_instance} is busy and the Conductor is still learning this "
+                f"cluster's prefill speed from its first requests: until then only an idle "
+                f"prefill instance takes work (predicted TTFT {ttft} on the starting model)"
+            )
         case RejectReason.PREFILL_OVERLOADED:
             load = f"{d.prefill_load:.2f}" if d.prefill_load is not None else "over 1"
             return (

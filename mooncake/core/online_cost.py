@@ -182,6 +182,12 @@ class OnlineCostModel:
     # --- state, for metrics and the decision record ----------------------------------------
 
     @property
+    def prefill_calibrated(self) -> bool:
+        """Whether prefill predictions rest on measurements of the serving engine: a
+        profile's rows (a seed the operator measured) or a fit to this cluster's timings."""
+        return bool(self._pre.prior) or self._pre.fit is not None
+
+    @property
     def refits(self) -> int:
         return self._pre.refits + self._dec.refits
 

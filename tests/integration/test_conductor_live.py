@@ -679,6 +679,11 @@ async def test_the_cost_model_follows_the_prefill_times_the_workers_report(
         before = await cl.outcome("r-before")
         assert before["type"] == "request.admitted" and before["predicted_ttft_s"] < 1.0
         assert before["inputs"]["cost_model"]["cost_prefill_fitted"] == 0.0
+        # Until the model is calibrated, only an idle prefill instance takes work.
+        await cl.submit("r-busy", token_ids=tokens(100, salt=2))
+        busy = await cl.outcome("r-busy")
+        assert (busy["type"], busy["reason"]) == ("request.rejected", "prefill_overloaded")
+        assert "still learning this cluster's prefill speed" in busy["detail"]
         refits = metrics.COST_MODEL_REFITS.labels("prefill")._value.get()
         publisher = Publisher(cl.nc, cl.js, cl.ns)
         for i, n in enumerate((100, 200, 400, 800, 1600, 3200, 150, 300, 600, 1200)):

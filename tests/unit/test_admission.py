@@ -230,3 +230,22 @@ def test_forecast_drops_a_request_past_the_longest_decode_and_one_not_yet_decodi
     later = decide("forecast", v, request(1000), CFG_TD, COSTS, 19.5)
     assert dict(later.extra)["batch_at"] == 46.0
     assert later.reason is RejectReason.DECODE_OVERLOADED
+
+
+def test_while_calibrating_only_an_idle_prefill_instance_takes_work() -> None:
+    from mooncake.core.admission import while_calibrating
+    from mooncake.core.conductor import rejection_detail
+
+    v = view(2, 1)
+    idle = decide("early", v, request(), CFG, COSTS, 0.0)
+    assert while_calibrating(idle, v, 0.0) is idle  # p0 has no queue: admitted as decided
+    v.apply(cl.Assigned("busy", "p0", "d0", 0, 2.0, 2.0), 0.0)
+    v.apply(cl.Assigned("busy2", "p1", "d0", 0, 2.0, 2.0), 0.0)
+    queued = decide("early", v, request(), CFG, COSTS, 0.0)
+    assert queued.admitted  # 2 s of queue + 0.1 s: well inside the 5 s TTFT SLO
+    held = while_calibrating(queued, v, 0.0)
+    assert not held.admitted and held.reason is RejectReason.PREFILL_OVERLOADED
+    assert dict(held.extra)["calibrating"] == 1.0
+    assert "still learning this cluster's prefill speed" in rejection_detail(held)
+    rejected = decide("early", v, request(10_000), CFG, COSTS, 0.0)
+    assert while_calibrating(rejected, v, 0.0) is rejected  # a rejection stays as it was

@@ -146,3 +146,16 @@ def test_step_times_measure_the_period_between_step_starts() -> None:
     assert t.take() == (0, None, None, None)
     t.started(50.2, 1, 11)
     assert t.take() == pytest.approx((1, 0.2, 1.0, 10.0))
+
+
+def test_calibrated_means_measured_rows_or_a_fit() -> None:
+    seed = reference_costs()
+    assert OnlineCostModel(
+        seed.prefill, seed.decode, prefill_prior=PROFILE_PREFILL
+    ).prefill_calibrated
+    m = OnlineCostModel(seed.prefill, seed.decode, settings=OnlineSettings(min_samples=2))
+    assert not m.prefill_calibrated
+    m.observe_prefill(100, 0, 0.5)
+    assert not m.prefill_calibrated  # one sample: not enough
+    m.observe_prefill(400, 0, 2.0)
+    assert m.prefill_calibrated
