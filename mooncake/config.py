@@ -120,6 +120,10 @@ class EngineSettings(BaseModel):
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV
     # pool, `Settings.kv_cache_bytes`).
     max_batch: Annotated[int, Field(ge=1, le=1024)] = 32
+    # At start, time a few prefills (prefill workers) or decode steps (decode workers) of
+    # the engine and report them: the Conductor's cost model starts from this machine's
+    # measured speed instead of the reference hardware's (core/online_cost.py).
+    calibrate: bool = True
 
 
 class ConductorSettings(BaseModel):

@@ -78,6 +78,15 @@ class DecodeWork(Wire):
     admitted_event_id: Identifier
 
 
+class EngineTiming(Wire):
+    """One timing of the engine at worker start: a prefill of `x` tokens with `z` of them
+    cached, or a decode step of a batch of `x` sequences holding `z` KV tokens."""
+
+    x: Annotated[int, Field(ge=1)]
+    z: Annotated[int, Field(ge=0)]
+    seconds: Annotated[float, Field(gt=0)]
+
+
 class LoadReport(Wire):
     instance: SubjectToken
     role: Literal["prefill", "decode"]
@@ -101,6 +110,9 @@ class LoadReport(Wire):
     step_s: Annotated[float, Field(gt=0)] | None = None
     step_batch: Annotated[float, Field(gt=0)] | None = None
     step_context_tokens: Annotated[float, Field(ge=0)] | None = None
+    # The engine's timings at start (prefill: prefills; decode: steps), in every report, so
+    # a Conductor that starts later still gets them with the instance's first report.
+    calibration: list[EngineTiming] = []
 
 
 class TokenChunk(Wire):

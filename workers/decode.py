@@ -41,10 +41,17 @@ from mooncake.serving.decode_loop import DecodeLoop
 from mooncake.serving.ending import Ender
 from mooncake.serving.engine_tier import EngineTier
 from mooncake.serving.local_store import LocalStore, cluster_secret, local_store
-from mooncake.serving.models import build_engine
+from mooncake.serving.models import build_engine, calibrate_engine
 from mooncake.serving.streaming import TextDeltas, TokenStreamer
 from mooncake.telemetry import extract_context, tracer
-from mooncake.work import DecodeWork, LoadReport, TokenChunk, WorkSubjects, completed_event_id
+from mooncake.work import (
+    DecodeWork,
+    EngineTiming,
+    LoadReport,
+    TokenChunk,
+    WorkSubjects,
+    completed_event_id,
+)
 from workers.runtime import WorkerContext, configure_logging, worker_context
 
 log = logging.getLogger("mooncake.decode")
@@ -79,6 +86,7 @@ class DecodeWorker:
             self.instance, s.engine.max_batch, self._consumer.wake,
         )  # fmt: skip
         self._load_seq = 0
+        self.calibration: list[EngineTiming] = []  # the engine's step timings at start
         self._queued_gauge = metrics.WORKER_QUEUED.labels(ROLE)
         self._running_gauge = metrics.WORKER_RUNNING.labels(ROLE)
         metrics.DECODE_KV_CAPACITY_TOKENS.set(engine.pool.capacity_tokens)
@@ -100,6 +108,8 @@ class DecodeWorker:
     # --- the whole worker -------------------------------------------------------------------
 
     async def run(self) -> None:
+        await self._consumer.ensure()  # work sent meanwhile waits in it, not lost
+        self.calibration = await calibrate_engine(self.engine, self.ctx.settings, ROLE)
         cancels = await self.ctx.nc.subscribe(self.subjects.cancel(), cb=self._on_cancel)
         side = [
             asyncio.create_task(self._consumer.feed(self._accept, self.loop.pull_room,
@@ -257,6 +267,7 @@ class DecodeWorker:
             step_s=step_s,
             step_batch=step_batch,
             step_context_tokens=step_context,
+            calibration=self.calibration,
         )
 
     async def _load_reports(self) -> None:

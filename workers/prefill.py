@@ -62,7 +62,7 @@ from mooncake.serving.ending import Ender, final, observe_completed
 from mooncake.serving.engine_tier import EngineTier
 from mooncake.serving.kvstore import TIERS, PrefillCancelled
 from mooncake.serving.local_store import LocalStore, local_store
-from mooncake.serving.models import build_engine, engine_params
+from mooncake.serving.models import build_engine, calibrate_engine, engine_params
 from mooncake.serving.prefill_kv import (
     StoredPrefill,
     prefill_with_store,
@@ -72,6 +72,7 @@ from mooncake.serving.prefill_kv import (
 from mooncake.telemetry import inject_headers, tracer
 from mooncake.work import (
     DecodeWork,
+    EngineTiming,
     LoadReport,
     PrefillWork,
     TokenChunk,
@@ -147,6 +148,7 @@ class PrefillWorker:
         self._copying: dict[int, asyncio.Task[None]] = {}  # replications holding a prompt's KV
         self._seq = 0
         self._queued = 0
+        self.calibration: list[EngineTiming] = []  # the engine's prefill timings at start
         self.last: StoredPrefill | None = None  # the last prefill's details (tests, debugging)
         for tier in TIERS:  # every tier's series exists from the start (rates need it)
             metrics.PREFILL_KV_TOKENS.labels(tier)
@@ -156,6 +158,8 @@ class PrefillWorker:
     # --- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        await self.consumer.ensure()  # work sent meanwhile waits in it, not lost
+        self.calibration = await calibrate_engine(self.engine, self._ctx.settings, ROLE)
         sub = await self._ctx.nc.subscribe(self.subjects.cancel(), cb=self._on_cancel)
         reports = asyncio.create_task(self._report_load())
         tier = EngineTier(self._ctx.nc, self._ctx.ns, self._ctx.instance_id, self.engine.pool.pages)
@@ -426,6 +430,7 @@ class PrefillWorker:
                 queued=self._queued,
                 queued_tokens=running.tokens if running is not None else 0,
                 running=1 if running is not None else 0,
+                calibration=self.calibration,
             )
             self._queued_gauge.set(report.queued)
             self._running_gauge.set(report.running)

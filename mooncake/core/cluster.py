@@ -113,6 +113,16 @@ class DecodeLoadReported:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineCalibrated:
+    """An instance's engine timed at its start: (prompt, cached, seconds) prefills or
+    (batch, context tokens, seconds) decode steps, by its role. For the cost model only."""
+
+    instance: str
+    role: Literal["prefill", "decode"]
+    samples: tuple[tuple[float, float, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class BlocksStored:
     node: str
     keys: tuple[str, ...]
@@ -139,6 +149,7 @@ Fact = (
     | DecodeFinished
     | RequestDropped
     | DecodeLoadReported
+    | EngineCalibrated
     | BlocksStored
     | BlocksRemoved
     | NodeLost

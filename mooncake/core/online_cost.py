@@ -104,6 +104,17 @@ class _Stage:
         self.refits += 1
         return True
 
+    def anchor(self, rows: Sequence[Sample]) -> bool:
+        """Measured rows of the engine (a worker's timings at start) join the prior, the
+        newest `PRIOR_CAP` kept; the stage refits at once. False when there were none."""
+        if not rows:
+            return False
+        self.prior = [*self.prior, *rows][-PRIOR_CAP:]
+        self.fit = self.fitter(self.rows())
+        self.refits += 1
+        self.since = 0
+        return True
+
     def rows(self) -> list[Sample]:
         # A decode report that averages k steps counts as k rows (capped: one busy period
         # must not drown the rest of the window).
@@ -111,6 +122,9 @@ class _Stage:
         for row, weight in self.window:
             out.extend([row] * max(1, min(int(weight), 8)))
         return out
+
+
+PRIOR_CAP = 64  # measured rows kept as the anchor (a profile's, or workers' timings)
 
 
 class _Prefill(_Stage):
@@ -179,6 +193,14 @@ class OnlineCostModel:
         predicted = self.decode_step_s(round(batch), round(context_tokens))
         return self._dec.observe((float(batch), float(context_tokens), step_s), steps, predicted)
 
+    def calibrated(self, prefill: Sequence[Sample] = (), decode: Sequence[Sample] = ()) -> bool:
+        """A worker's engine timings at start: measured rows, kept as the fit's anchor."""
+        ok = [r for r in prefill if r[0] >= 1 and 0 <= r[1] <= r[0] and r[2] > 0]
+        good = [r for r in decode if r[0] >= 1 and r[1] >= 0 and r[2] > 0]
+        a = self._pre.anchor(ok)
+        b = self._dec.anchor(good)
+        return a or b
+
     # --- state, for metrics and the decision record ----------------------------------------
 
     @property
@@ -218,4 +240,8 @@ def observe_fact(model: OnlineCostModel, fact: cl.Fact) -> str | None:
         ):
             model.observe_decode(b, c, t, k)
             return "decode"
+        case cl.EngineCalibrated(role="prefill", samples=rows):
+            return "prefill" if model.calibrated(prefill=rows) else None
+        case cl.EngineCalibrated(role="decode", samples=rows):
+            return "decode" if model.calibrated(decode=rows) else None
     return None

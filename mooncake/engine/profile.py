@@ -16,6 +16,7 @@ The document is `mooncake.profile/1` (`mooncake.core.cost_model.parse_profile`):
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_CONTEXTS = (128, 512, 1024, 2048)
 
 Log = Callable[[str], None]
+log = logging.getLogger("mooncake.engine")
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -167,3 +169,39 @@ def profile_engine(
         "prefill": profile_prefill(engine, prompts, cached, reps, log),
         "decode": profile_decode(engine, batches, contexts, reps, log),
     }
+
+
+# What a worker times at start for the Conductor's cost model (EngineSettings.calibrate):
+# few and small, so a start is not held up, and two sizes apart, so a fit has a slope.
+CALIBRATION_PROMPTS = (64, 512)
+CALIBRATION_BATCHES = (1, 4)
+CALIBRATION_CONTEXT = 256
+
+
+def calibrate(engine: Engine, role: str) -> list[tuple[int, int, float]]:
+    """The engine timed as `role` runs it: (prompt, cached, seconds) prefills or (batch,
+    context tokens, seconds) decode steps, one warm-up and one timing each (the profile's
+    own grids, smaller). Sizes the model's context or the KV pool cannot take are left out
+    (decode contexts shrink to a quarter of the pool): a calibration never stops a worker."""
+    quiet: Log = lambda _msg: None  # noqa: E731
+    rows: list[tuple[int, int, float]] = []
+    if role == "prefill":
+        for n in CALIBRATION_PROMPTS:
+            try:
+                got = profile_prefill(engine, (n,), (0,), 1, quiet)
+            except Exception as exc:  # too long for this model or pool: leave it out
+                log.debug("calibration prefill of %d tokens skipped: %s", n, exc)
+                continue
+            rows += [(r["prompt_tokens"], r["cached_tokens"], r["seconds"]) for r in got]
+        return [r for r in rows if r[2] > 0]
+    room = engine.pool.capacity_tokens // (4 * (max(CALIBRATION_BATCHES) + 1))
+    context = min(CALIBRATION_CONTEXT, room)
+    if context < 16:
+        return rows
+    try:
+        got = profile_decode(engine, CALIBRATION_BATCHES, (context,), 1, quiet)
+    except Exception as exc:
+        log.debug("calibration decode steps skipped: %s", exc)
+        return rows
+    rows += [(r["batch"], r["context_tokens"], r["seconds"]) for r in got]
+    return [r for r in rows if r[2] > 0]

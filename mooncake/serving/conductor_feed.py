@@ -49,6 +49,7 @@ class Member:
     node: str
     last_seen: float
     seq: int = 0
+    calibrated: bool = False  # its engine timings have been passed on
 
 
 class Liveness:
@@ -70,6 +71,10 @@ class Liveness:
             facts.append(cl.InstanceJoined(r.instance, r.role, r.node, r.kv_capacity_tokens))
             m = self.members[r.instance] = Member(r.instance, r.role, r.node, now)
         m.last_seen, m.seq = now, r.seq
+        if r.calibration and not m.calibrated:
+            m.calibrated = True
+            timed = tuple((float(t.x), float(t.z), t.seconds) for t in r.calibration)
+            facts.append(cl.EngineCalibrated(r.instance, r.role, timed))
         if r.role == "decode":
             free, cap = r.kv_free_tokens, r.kv_capacity_tokens
             steps = (r.steps, r.step_s, r.step_batch, r.step_context_tokens)

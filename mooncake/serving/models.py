@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import torch
 
@@ -11,7 +13,9 @@ from mooncake import memory
 from mooncake.config import Settings
 from mooncake.engine import Engine, dummy_model
 from mooncake.engine import SamplingParams as EngineSampling
+from mooncake.engine.profile import calibrate
 from mooncake.model_info import dummy_spec
+from mooncake.work import EngineTiming
 
 log = logging.getLogger("mooncake.engine")
 
@@ -84,3 +88,17 @@ def engine_params(p: ev.SamplingParams) -> EngineSampling:
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
     )
+
+
+async def calibrate_engine(engine: Engine, settings: Settings, role: str) -> list[EngineTiming]:
+    """The engine's timings at worker start, for the load reports (the Conductor's cost
+    model starts from them, core/online_cost.py); none when `engine.calibrate` is off.
+    Runs before the worker takes work: nothing else uses the engine meanwhile."""
+    if not settings.engine.calibrate:
+        return []
+    t0 = time.perf_counter()
+    rows = await asyncio.to_thread(calibrate, engine, role)
+    timed = [EngineTiming(x=x, z=z, seconds=s) for x, z, s in rows]
+    shown = ", ".join(f"{t.x}/{t.z}: {t.seconds * 1e3:.1f} ms" for t in timed)
+    log.info("engine timed for the Conductor in %.1f s (%s)", time.perf_counter() - t0, shown)
+    return timed

@@ -87,3 +87,29 @@ def test_pool_tokens_cover_the_largest_point() -> None:
 
     tokens = pool_tokens_for([2048], [16], [4096], block_tokens=256, reps=3)
     assert tokens >= 17 * (4096 + 4)  # 16 copies and the base, each a few steps longer
+
+
+def test_calibration_times_what_the_role_runs_and_leaves_the_pool_as_it_was() -> None:
+    from mooncake.engine.profile import CALIBRATION_BATCHES, calibrate
+
+    engine = Engine(dummy_model(SPEC), block_tokens=16)  # context 256: 512 cannot be timed
+    free = engine.pool.pages.available
+    pre = calibrate(engine, "prefill")
+    assert [(x, z) for x, z, _ in pre] == [(64, 0)] and pre[0][2] > 0
+    dec = calibrate(engine, "decode")
+    context = min(256, engine.pool.capacity_tokens // (4 * (max(CALIBRATION_BATCHES) + 1)))
+    assert [(x, z) for x, z, _ in dec] == [(b, b * context) for b in CALIBRATION_BATCHES]
+    assert all(s > 0 for *_, s in dec)
+    assert engine.pool.pages.available == free  # every page it took is back
+
+
+def test_calibration_on_a_pool_too_small_times_what_fits_and_never_raises() -> None:
+    from mooncake.engine.engine import min_pool_tokens
+    from mooncake.engine.profile import calibrate
+
+    tiny = ModelSpec(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64, context=32)
+    model = dummy_model(tiny)
+    least = min_pool_tokens(tiny.context, 16) * tiny.kv_bytes_per_token(model.dtype.itemsize)
+    engine = Engine(model, block_tokens=16, kv_budget_bytes=least)  # one context, no more
+    assert calibrate(engine, "prefill") == []  # 64 and 512 tokens: over the 32-token context
+    assert calibrate(engine, "decode") == []  # 4 x 256 tokens: no room, not tried

@@ -277,6 +277,9 @@ async def test_concurrent_requests_stream_what_generate_gives(rig: Rig) -> None:
     reports = [x for x in r.loads if x.instance == INSTANCE]
     assert reports and reports[-1].role == "decode" and reports[-1].node == INSTANCE
     assert reports[-1].kv_capacity_tokens == r.worker.engine.pool.capacity_tokens
+    # Its engine's steps, timed at start, in every report (the Conductor's first decode rows).
+    assert [t.x for t in reports[-1].calibration] == [1, 4]
+    assert all(t.seconds > 0 for t in reports[-1].calibration)
     assert any(x.running >= 1 and x.context_tokens > 0 for x in reports)
     # The steps the reports say ran (the Conductor's decode timing samples): each waits at
     # least the rig's 10 ms delay, and once reported they are the steps the batch ran, less

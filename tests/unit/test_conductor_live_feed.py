@@ -175,3 +175,20 @@ def test_a_decode_report_carries_its_steps_to_the_view() -> None:
     )  # fmt: skip
     facts = live.report(r, 0.0)
     assert facts[-1] == cl.DecodeLoadReported("d1", 3, 900, None, None, 40, 0.05, 2.5, 800.0)
+
+
+def test_an_instances_engine_timings_are_passed_on_once() -> None:
+    from mooncake.work import EngineTiming
+
+    live = Liveness(timeout_s=2.0)
+    timed = [EngineTiming(x=64, z=0, seconds=0.1), EngineTiming(x=512, z=0, seconds=0.9)]
+    first = live.report(report("p1", "prefill", "n1"), 0.0)  # before its calibration ended
+    assert not any(isinstance(f, cl.EngineCalibrated) for f in first)
+    r = report("p1", "prefill", "n1", 2).model_copy(update={"calibration": timed})
+    assert live.report(r, 0.5) == [
+        cl.EngineCalibrated("p1", "prefill", ((64.0, 0.0, 0.1), (512.0, 0.0, 0.9)))
+    ]
+    assert live.report(r.model_copy(update={"seq": 3}), 1.0) == []  # already passed on
+    # A Conductor that starts later hears it with the instance's first report.
+    later = Liveness(timeout_s=2.0).report(r, 0.0)
+    assert cl.EngineCalibrated("p1", "prefill", ((64.0, 0.0, 0.1), (512.0, 0.0, 0.9))) in later

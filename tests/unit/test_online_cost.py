@@ -159,3 +159,21 @@ def test_calibrated_means_measured_rows_or_a_fit() -> None:
     assert not m.prefill_calibrated  # one sample: not enough
     m.observe_prefill(400, 0, 2.0)
     assert m.prefill_calibrated
+
+
+def test_an_engines_timings_at_start_calibrate_the_model_at_once() -> None:
+    from mooncake.core import cluster as cl
+    from mooncake.core.online_cost import observe_fact
+
+    seed = reference_costs()
+    m = OnlineCostModel(seed.prefill, seed.decode)
+    assert not m.prefill_calibrated
+    rows = tuple((float(p), 0.0, true_prefill(p, 0)) for p in (64, 512, 2048))
+    assert observe_fact(m, cl.EngineCalibrated("p1", "prefill", rows)) == "prefill"
+    assert m.prefill_calibrated and m.state()["cost_prefill_fitted"] == 1.0
+    assert m.prefill_s(1000, 0) == pytest.approx(true_prefill(1000, 0), rel=0.02)
+    steps = tuple((float(b), b * 256.0, true_step(b, b * 256)) for b in (1, 4, 16))
+    assert observe_fact(m, cl.EngineCalibrated("d1", "decode", steps)) == "decode"
+    assert m.decode_step_s(8, 2048) == pytest.approx(true_step(8, 2048), rel=0.02)
+    # Nonsense rows are dropped; none left: nothing happens.
+    assert observe_fact(m, cl.EngineCalibrated("p2", "prefill", ((0.0, 0.0, 1.0),))) is None
