@@ -246,6 +246,15 @@ def request_figures(
         f"{limit:g}": sum(1 for p in done if within_slo(p, SLO(ttft_s=slo.ttft_s, tbt_s=limit)))
         for limit in PAPER_TBT_LIMITS_S
     }
+    # How far the Conductor's TTFT prediction at admission was from what the request saw:
+    # the cost model's error under this load (1 = exact; > 1: it was optimistic).
+    ratios = [
+        float(end["ttft_s"]) / float(adm["predicted_ttft_s"])
+        for rid, (t, end) in last.items()
+        if t == "request.completed" and end.get("ttft_s") is not None
+        for kind, adm in record.get(rid, [])[:1]
+        if kind == "request.admitted" and (adm.get("predicted_ttft_s") or 0) > 0
+    ]
     reasons = {r.value for r in ev.RejectReason}
     rejected = [p for t, p in last.values() if t == "request.rejected"]
     violations = [rid for rid in ids if len(ends[rid]) != 1]
@@ -274,6 +283,11 @@ def request_figures(
         "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
         "ttft_s": {"p50": _r(quantile(ttft, 0.5)), "p90": _r(quantile(ttft, 0.9))},
         "tbt_s": {"p50": _r(quantile(tbt, 0.5)), "p90": _r(quantile(tbt, 0.9))},
+        "ttft_over_predicted": {
+            "p50": _r(quantile(ratios, 0.5)),
+            "p90": _r(quantile(ratios, 0.9)),
+            "n": len(ratios),
+        },
     }
 
 

@@ -49,6 +49,18 @@ def test_request_figures_count_each_end_and_find_what_did_not_end_once() -> None
     assert out["goodput_req_s"] == 0.3  # a, c, e: b's TTFT is over
 
 
+def test_ttft_over_its_prediction_at_admission() -> None:
+    record: Record = {
+        "a": [("request.admitted", {"predicted_ttft_s": 0.5}), completed(1.0, 0.05)],
+        "b": [("request.admitted", {"predicted_ttft_s": 2.0}), completed(1.0, 0.05)],
+        "c": [("request.admitted", {"predicted_ttft_s": 1.0}), completed(4.0, 0.05)],
+        "d": [("request.admitted", {}), completed(1.0, 0.05)],  # no prediction: left out
+        "e": [("request.admitted", {"predicted_ttft_s": 1.0}), ("request.failed", {})],
+    }
+    out = request_figures(list(record), record, {}, SLO_, wall_s=1.0)
+    assert out["ttft_over_predicted"] == {"p50": 2.0, "p90": 4.0, "n": 3}
+
+
 def test_every_request_once_passes() -> None:
     record: Record = {
         "a": [completed(1.0, 0.5)],
