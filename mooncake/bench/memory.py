@@ -252,7 +252,7 @@ def request_figures(
         float(end["ttft_s"]) / float(adm["predicted_ttft_s"])
         for rid, (t, end) in last.items()
         if t == "request.completed" and end.get("ttft_s") is not None
-        for kind, adm in record.get(rid, [])[:1]
+        for kind, adm in record.get(rid, [])
         if kind == "request.admitted" and (adm.get("predicted_ttft_s") or 0) > 0
     ]
     reasons = {r.value for r in ev.RejectReason}

@@ -51,7 +51,11 @@ def test_request_figures_count_each_end_and_find_what_did_not_end_once() -> None
 
 def test_ttft_over_its_prediction_at_admission() -> None:
     record: Record = {
-        "a": [("request.admitted", {"predicted_ttft_s": 0.5}), completed(1.0, 0.05)],
+        "a": [
+            ("request.submitted", {}),
+            ("request.admitted", {"predicted_ttft_s": 0.5}),
+            completed(1.0, 0.05),
+        ],
         "b": [("request.admitted", {"predicted_ttft_s": 2.0}), completed(1.0, 0.05)],
         "c": [("request.admitted", {"predicted_ttft_s": 1.0}), completed(4.0, 0.05)],
         "d": [("request.admitted", {}), completed(1.0, 0.05)],  # no prediction: left out
