@@ -552,7 +552,6 @@ async def open_request_ids(ctx: WorkerContext) -> KeyValue:
 async def start_conductor(ctx: WorkerContext) -> Conductor:
     """The Conductor with its cost model, tokenizer and buckets, following the cluster."""
     s = ctx.settings
-    costs = build_costs(s)  # a bad profile stops the Conductor here, before any decision
     try:
         model: ModelHeader | None = await asyncio.to_thread(model_header, s.engine)
     except Exception:
@@ -561,6 +560,8 @@ async def start_conductor(ctx: WorkerContext) -> Conductor:
             "for its context only at prefill", s.engine.model,
         )  # fmt: skip
         model = None
+    # A bad profile stops the Conductor here, before any decision.
+    costs = build_costs(s, model.spec.hidden if model is not None else None)
     terminal_kv = await terminal.open_bucket(ctx.js, ctx.ns, s.bus.replicas)
     conductor = Conductor(ctx, await open_request_ids(ctx), terminal_kv, model, costs)
     await conductor.start()

@@ -34,14 +34,16 @@ from dataclasses import dataclass
 from mooncake.core import cluster as cl
 from mooncake.core.cost_model import (
     DecodeModel,
-    PolyFit,
     PrefillModel,
     Sample,
     decode_features,
     fit_decode,
+    fit_nonnegative,
     fit_prefill,
     prefill_features,
 )
+
+Predictor = Callable[[float, float], float]  # (prompt, cached) or (batch, context) -> s
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +66,14 @@ class _Stage:
     def __init__(
         self,
         prior: Sequence[Sample],
-        fit: Callable[[Sequence[Sample]], PolyFit],
+        fit: Callable[[Sequence[Sample]], Predictor],
         cfg: OnlineSettings,
     ) -> None:
         self.prior = list(prior)
         self.window: deque[tuple[Sample, float]] = deque(maxlen=cfg.window)  # (row, weight)
         self.fitter = fit
         self.cfg = cfg
-        self.fit: PolyFit | None = None
+        self.fit: Predictor | None = None
         self.since = 0
         self.refits = 0
         self.observed = 0
@@ -125,6 +127,47 @@ class _Stage:
 
 
 PRIOR_CAP = 64  # measured rows kept as the anchor (a profile's, or workers' timings)
+FULL_FIT_SIZES = 6  # distinct sizes before prefill rows fit the whole polynomial
+
+
+def full_prefill(rows: Sequence[Sample]) -> Predictor:
+    fit = fit_prefill(rows)
+    return lambda prompt, cached: fit(prefill_features(prompt, cached))
+
+
+def full_decode(rows: Sequence[Sample]) -> Predictor:
+    fit = fit_decode(rows)
+    return lambda batch, context: fit(decode_features(batch, context))
+
+
+def shaped_prefill(attention_per_token: float | None) -> Callable[[Sequence[Sample]], Predictor]:
+    """Prefill fits that keep the FLOPs' shape while the rows are few. PAPER.md §4 counts
+    l*(a*n²*d + b*n*d²) FLOPs for n tokens (a = 4, b = 22), so with a cached prefix P of L,
+    time ~ c0 + c1 * ((L - P) + k * (L² - P²)) with k = a / (b * d), from the model's hidden
+    size d alone. Two timings (a worker's calibration) fix c0 and c1; the whole polynomial
+    fits two rows exactly with whichever two of its terms come first, and on SmolLM2
+    (d = 576: the attention term is 2.6x the rest at 8,192 tokens) missed an 8 k-token
+    prefill by 2.7x (tests/unit/test_online_cost.py). From `FULL_FIT_SIZES` distinct sizes
+    on, the whole polynomial (`full_prefill`)."""
+
+    def fitter(rows: Sequence[Sample]) -> Predictor:
+        sizes = {(x, z) for x, z, _ in rows}
+        if attention_per_token is None or len(sizes) >= FULL_FIT_SIZES:
+            return full_prefill(rows)
+        k = attention_per_token
+
+        def work(prompt: float, cached: float) -> float:
+            return (prompt - cached) + k * (prompt * prompt - cached * cached)
+
+        fit = fit_nonnegative([(1.0, work(x, z)) for x, z, _ in rows], [t for *_, t in rows])
+        return lambda prompt, cached: fit((1.0, work(prompt, cached)))
+
+    return fitter
+
+
+def attention_per_token(hidden: int) -> float:
+    """k = a / (b * d) of `shaped_prefill` (PAPER.md §4: a = 4, b = 22)."""
+    return 4.0 / (22.0 * hidden)
 
 
 class _Prefill(_Stage):
@@ -151,11 +194,15 @@ class OnlineCostModel:
         prefill_prior: Sequence[Sample] = (),
         decode_prior: Sequence[Sample] = (),
         settings: OnlineSettings = OnlineSettings(),
+        hidden: int | None = None,
     ) -> None:
+        """`hidden`: the served model's hidden size, for the shape of a prefill fit while
+        its rows are few (`shaped_prefill`); None fits the whole polynomial from the start."""
         self.seed_prefill, self.seed_decode = seed_prefill, seed_decode
         self.settings = settings
-        self._pre = _Prefill(prefill_prior, fit_prefill, settings)
-        self._dec = _Decode(decode_prior, fit_decode, settings)
+        k = attention_per_token(hidden) if hidden else None
+        self._pre = _Prefill(prefill_prior, shaped_prefill(k), settings)
+        self._dec = _Decode(decode_prior, full_decode, settings)
 
     # --- predictions (the protocols) -----------------------------------------------------
 
@@ -165,13 +212,13 @@ class OnlineCostModel:
             return self.seed_prefill.prefill_s(prompt_tokens, cached_tokens)
         prompt = float(max(prompt_tokens, 0))
         cached = float(min(max(cached_tokens, 0), max(prompt_tokens, 0)))
-        return fit(prefill_features(prompt, cached))
+        return fit(prompt, cached)
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         fit = self._dec.fit
         if fit is None:
             return self.seed_decode.decode_step_s(batch, context_tokens)
-        return fit(decode_features(float(max(batch, 0)), float(max(context_tokens, 0))))
+        return fit(float(max(batch, 0)), float(max(context_tokens, 0)))
 
     # --- observations ----------------------------------------------------------------------
 

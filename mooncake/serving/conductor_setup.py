@@ -48,7 +48,7 @@ def kv_bytes_per_token(engine: EngineSettings) -> int:
     return SMOLLM2_KV_BYTES_PER_TOKEN
 
 
-def costs_from_profile(doc: dict[str, Any], settings: Settings) -> Costs:
+def costs_from_profile(doc: dict[str, Any], settings: Settings, hidden: int | None = None) -> Costs:
     """A fitted cost model for the profiled engine; transfers over the store's transport.
     With `conductor.online_cost`, one that refits from the workers' timings, the profile's
     samples kept as its anchor."""
@@ -60,26 +60,27 @@ def costs_from_profile(doc: dict[str, Any], settings: Settings) -> Costs:
     if not c.online_cost:
         return Costs(fitted, fitted, transfer)
     pre, dec = profile_samples(doc)
-    online = OnlineCostModel(fitted, fitted, prefill_prior=pre, decode_prior=dec)
+    online = OnlineCostModel(fitted, fitted, prefill_prior=pre, decode_prior=dec, hidden=hidden)
     return Costs(online, online, transfer)
 
 
-def build_costs(settings: Settings) -> Costs:
+def build_costs(settings: Settings, hidden: int | None = None) -> Costs:
     """The configured cost model (reads the profile file: call it at start-up, not per
     request). A profile that cannot be read or fitted is an error, not a silent fallback:
-    admission decisions would otherwise rest on the wrong hardware's numbers."""
+    admission decisions would otherwise rest on the wrong hardware's numbers. `hidden`: the
+    served model's hidden size (the online model's prefill shape; None: unknown)."""
     path = settings.conductor.cost_profile
     if path is None:
         ref = reference_costs(HARDWARE[settings.conductor.reference_hardware])
         if not settings.conductor.online_cost:
             return ref
-        online = OnlineCostModel(ref.prefill, ref.decode)
+        online = OnlineCostModel(ref.prefill, ref.decode, hidden=hidden)
         return Costs(online, online, ref.transfer)
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a profile is a JSON object")
-    return costs_from_profile(doc, settings)
+    return costs_from_profile(doc, settings, hidden)
 
 
 def online_model(costs: Costs) -> OnlineCostModel | None:

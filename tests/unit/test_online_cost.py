@@ -177,3 +177,28 @@ def test_an_engines_timings_at_start_calibrate_the_model_at_once() -> None:
     assert m.decode_step_s(8, 2048) == pytest.approx(true_step(8, 2048), rel=0.02)
     # Nonsense rows are dropped; none left: nothing happens.
     assert observe_fact(m, cl.EngineCalibrated("p2", "prefill", ((0.0, 0.0, 1.0),))) is None
+
+
+def test_two_timings_extrapolate_with_the_flops_shape_of_the_model() -> None:
+    """A worker's calibration gives two short prefills. On a machine whose prefill time
+    follows the FLOPs of PAPER.md §4 for SmolLM2 (d = 576), the shaped fit predicts an
+    8,192-token prefill within 2 %; the whole polynomial, given the same two rows, fits them
+    exactly with whichever two of its terms come first and misses by a factor of several."""
+    from mooncake.core import cluster as cl
+    from mooncake.core.online_cost import attention_per_token, observe_fact
+
+    k = attention_per_token(576)
+
+    def machine(prompt: float, cached: float) -> float:
+        return 0.2 + 1e-3 * ((prompt - cached) + k * (prompt * prompt - cached * cached))
+
+    rows = tuple((float(p), 0.0, machine(p, 0)) for p in (64, 512))
+    seed = reference_costs()
+    shaped = OnlineCostModel(seed.prefill, seed.decode, hidden=576)
+    plain = OnlineCostModel(seed.prefill, seed.decode)
+    for m in (shaped, plain):
+        observe_fact(m, cl.EngineCalibrated("p1", "prefill", rows))
+    assert shaped.prefill_s(8192, 0) == pytest.approx(machine(8192, 0), rel=0.02)
+    assert shaped.prefill_s(8192, 4096) == pytest.approx(machine(8192, 4096), rel=0.02)
+    miss = plain.prefill_s(8192, 0) / machine(8192, 0)
+    assert miss > 2 or miss < 0.5
