@@ -13,12 +13,16 @@ to what the workers report:
 
 The rows it fits are the seed's samples (a profile's, kept for good: they span sizes the
 traffic may not, so the fit does not extrapolate from a narrow band) plus a sliding window
-of the latest observations. It refits every `refit_every` observations. Before it has any
-fit it answers with the seed: with a profile, from the first observation (the profile's
-rows are there to anchor it); with only the analytic model (no rows), once `min_samples`
-observations cover a spread of sizes (`min_spread`: the largest new-token count, or batch,
-at least that many times the smallest), so a run of equal prompts never becomes a flat
-model that calls a long prompt as cheap as a short one.
+of the latest observations. It refits every `refit_every` observations, and at once after
+one its prediction missed by more than 25 % (a slow machine shows in the next admission,
+not eight prefills later; on this 2-core CPU a replay of 100 requests sees 10 - 20).
+Before it has any fit it answers with the seed. With a profile (or a worker's timings of its
+engine at start, `calibrated`), it fits from the first observation: those measured rows
+anchor it; while they are few, in the FLOPs shape of PAPER.md §4 (`shaped_prefill`). With
+only the analytic model (no rows), once `min_samples` observations cover a spread of sizes
+(`min_spread`: the largest new-token count, or batch, at least that many times the
+smallest), so a run of equal prompts never becomes a flat model that calls a long prompt as
+cheap as a short one.
 
 What it does not guard against (stated, not hidden): a model that has become pessimistic
 rejects the requests that would correct it; it recovers only through the requests it still
@@ -51,7 +55,7 @@ class OnlineSettings:
     window: int = 256  # latest observations per stage
     min_samples: int = 8  # observations before a fit replaces a seed that has no rows
     min_spread: float = 2.0  # and the spread of sizes they must cover
-    refit_every: int = 8  # observations between refits
+    refit_every: int = 8  # observations between refits (at once when one is 25 % off)
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.min_samples < 1 or self.refit_every < 1:
@@ -97,7 +101,8 @@ class _Stage:
         self.since += 1
         if predicted > 0:
             self.last_error = row[2] / predicted
-        if self.since < self.cfg.refit_every and self.fit is not None:
+        off = self.last_error is not None and not 0.8 <= self.last_error <= 1.25
+        if self.since < self.cfg.refit_every and self.fit is not None and not off:
             return False
         if not self.ready():
             return False

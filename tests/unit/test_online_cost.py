@@ -78,13 +78,19 @@ def test_nonsense_observations_are_ignored() -> None:
     assert m.state()["cost_prefill_observed"] == m.state()["cost_decode_observed"] == 0
 
 
-def test_refits_come_every_refit_every_observations() -> None:
+def test_refits_come_every_refit_every_observations_or_at_once_when_one_is_off() -> None:
     seed = reference_costs()
     cfg = OnlineSettings(refit_every=4)
     m = OnlineCostModel(seed.prefill, seed.decode, prefill_prior=PROFILE_PREFILL, settings=cfg)
-    refits = [m.observe_prefill(100 * (i + 1), 0, true_prefill(100 * (i + 1), 0)) for i in range(9)]
+
+    def profiled(p: int) -> float:  # the machine as profiled: predictions stay within 25 %
+        return true_prefill(p, 0) / 2
+
+    refits = [m.observe_prefill(100 * (i + 1), 0, profiled(100 * (i + 1))) for i in range(9)]
     assert refits == [True, False, False, False, True, False, False, False, True]
     assert m.refits == 3
+    assert m.observe_prefill(1000, 0, 2 * profiled(1000))  # 2x slower: refitted at once
+    assert not m.observe_prefill(1000, 0, m.prefill_s(1000, 0))  # on the mark: it waits
 
 
 @settings(max_examples=40, deadline=None)
