@@ -113,20 +113,30 @@ def _predicted(
     mean, per_instance = predicted_decode_load(view, at, cfg, costs, joining)
     # The request's own TBT is its instance's, so the mean may not hide that instance.
     tbt = max(mean, per_instance.get(choice.decode.id, 0.0))
+    extra = (
+        ("predicted_at", at),
+        ("tbt_mean_at", mean),
+        *((f"tbt_at:{k}", v) for k, v in sorted(per_instance.items())),
+    )
+    return _judged_at(choice, "predicted", tbt, cfg, extra)
+
+
+def _judged_at(
+    choice: cd.Choice,
+    policy: Policy,
+    tbt: float,
+    cfg: cd.ConductorConfig,
+    extra: tuple[tuple[str, float], ...],
+) -> cd.Decision:
+    """A prediction-based policy's verdict: the TTFT against its SLO, then the decode load
+    it predicted at the end of this request's prefill (`tbt`) against 1."""
     load = tbt / cfg.tbt_slo_s
     reason = None
     if choice.ttft_s > cfg.ttft_slo_s:
         reason = RejectReason.TTFT_SLO
     elif load > 1.0:
         reason = RejectReason.DECODE_OVERLOADED
-    extra = (
-        ("predicted_at", at),
-        ("tbt_mean_at", mean),
-        *((f"tbt_at:{k}", v) for k, v in sorted(per_instance.items())),
-    )
-    return cd.decision_from(
-        choice, "predicted", reason, cfg, tbt_s=tbt, decode_load=load, extra=extra
-    )
+    return cd.decision_from(choice, policy, reason, cfg, tbt_s=tbt, decode_load=load, extra=extra)
 
 
 # --- forecast: ours, request-level ---------------------------------------------------------------
@@ -178,16 +188,8 @@ def _forecast(
     batches = forecast_decode_batches(view, choice.now, at, cfg.uniform_decode_s)
     b, c = batches.get(choice.decode.id, (0, 0))
     tbt = cd.batch_tbt_s(view, costs, b + 1, c + choice.request.prompt_tokens)
-    load = tbt / cfg.tbt_slo_s
-    reason = None
-    if choice.ttft_s > cfg.ttft_slo_s:
-        reason = RejectReason.TTFT_SLO
-    elif load > 1.0:
-        reason = RejectReason.DECODE_OVERLOADED
     extra = (("predicted_at", at), ("batch_at", float(b + 1)))
-    return cd.decision_from(
-        choice, "forecast", reason, cfg, tbt_s=tbt, decode_load=load, extra=extra
-    )
+    return _judged_at(choice, "forecast", tbt, cfg, extra)
 
 
 # --- while the cost model is calibrating ----------------------------------------------------------
