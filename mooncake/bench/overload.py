@@ -801,6 +801,9 @@ async def run_overload(
             {
                 "MOONCAKE_ADMISSION_POLICY": opts.policy,
                 "MOONCAKE_CONDUCTOR__COST_PROFILE": str(path),
+                # Admission on exactly the profile measured here, not refitted while the run
+                # goes: the prefill queue bound (`queue_bounds`) is derived from it.
+                "MOONCAKE_CONDUCTOR__ONLINE_COST": "false",
                 "MOONCAKE_SLO__TTFT_S": str(opts.ttft_slo_s * opts.admit_at),
                 "MOONCAKE_SLO__TBT_S": str(opts.tbt_slo_s * opts.admit_at),
             }

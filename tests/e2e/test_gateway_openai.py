@@ -103,6 +103,10 @@ def system(
         "MOONCAKE_STORE__DRAM_BYTES": str(64 << 20),
         "MOONCAKE_ADMISSION_POLICY": "early",
         "MOONCAKE_SLO__TTFT_S": "0.1",
+        # The reference hardware's predictions, as they are (not refitted to this CPU, where
+        # even "Hi" takes over 0.1 s): short prompts admitted, the long one rejected.
+        "MOONCAKE_CONDUCTOR__ONLINE_COST": "false",
+        "MOONCAKE_ENGINE__CALIBRATE": "false",
         "MOONCAKE_GATEWAY__PORT": str(port),
         "MOONCAKE_GATEWAY__RETRY_AFTER_S": str(RETRY_AFTER_S),
     }
@@ -249,11 +253,13 @@ async def test_client_going_away_before_a_whole_answer_cancels_the_request(
 
     await nc.subscribe(ns.subject(ev.RequestCancelled.SUBJECT), cb=heard)
     try:
+        # The client gives up after 1 s: with the fused decode step (~160 tokens/s here) a
+        # 3 s timeout let a 400-token answer sometimes finish first, and no disconnect came.
         body = {
-            "model": system.model, "max_tokens": 400, "temperature": 0,
+            "model": system.model, "max_tokens": 2000, "temperature": 0,
             "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
         }  # fmt: skip
-        async with httpx.AsyncClient(timeout=3.0) as http:
+        async with httpx.AsyncClient(timeout=1.0) as http:
             with pytest.raises(httpx.ReadTimeout):
                 await http.post(f"{system.base_url}/chat/completions", json=body)
         gone_at = time.monotonic()
