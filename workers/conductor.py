@@ -160,7 +160,7 @@ class Conductor:
             refits = self._online.refits
             stage = observe_fact(self._online, fact)
             if stage is not None:
-                error = self._online.state().get(f"cost_{stage}_error")
+                error = self._online.error(stage)
                 if error is not None:
                     metrics.COST_MODEL_ERROR.labels(stage).set(error)
                 if self._online.refits > refits:

@@ -261,6 +261,11 @@ class OnlineCostModel:
         profile's rows (a seed the operator measured) or a fit to this cluster's timings."""
         return bool(self._pre.prior) or self._pre.fit is not None
 
+    def error(self, stage: str) -> float | None:
+        """Observed / predicted seconds of the latest timing of `stage` ("prefill" or
+        "decode"); None before one."""
+        return (self._pre if stage == "prefill" else self._dec).last_error
+
     @property
     def refits(self) -> int:
         return self._pre.refits + self._dec.refits

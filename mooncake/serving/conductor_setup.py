@@ -8,6 +8,7 @@ the live worker and anything else that schedules like it (benchmarks, replay) bu
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from mooncake.config import EngineSettings, Settings
@@ -16,8 +17,11 @@ from mooncake.core.cost_model import (
     A800_X8,
     H800_X8,
     Costs,
+    FittedCostModel,
+    Sample,
     TransferModel,
-    parse_profile,
+    fit_decode,
+    fit_prefill,
     profile_samples,
     reference_costs,
 )
@@ -52,16 +56,13 @@ def costs_from_profile(doc: dict[str, Any], settings: Settings, hidden: int | No
     """A fitted cost model for the profiled engine; transfers over the store's transport.
     With `conductor.online_cost`, one that refits from the workers' timings, the profile's
     samples kept as its anchor."""
-    fitted = parse_profile(doc)
+    pre, dec = profile_samples(doc)  # the document is read and checked once
+    fitted = FittedCostModel(prefill=fit_prefill(pre), decode=fit_decode(dec))
     c = settings.conductor
     transfer = TransferModel(
         c.transfer_bytes_per_s, c.transfer_latency_s, kv_bytes_per_token(settings.engine)
     )
-    if not c.online_cost:
-        return Costs(fitted, fitted, transfer)
-    pre, dec = profile_samples(doc)
-    online = OnlineCostModel(fitted, fitted, prefill_prior=pre, decode_prior=dec, hidden=hidden)
-    return Costs(online, online, transfer)
+    return _maybe_online(Costs(fitted, fitted, transfer), settings, hidden, pre, dec)
 
 
 def build_costs(settings: Settings, hidden: int | None = None) -> Costs:
@@ -72,15 +73,29 @@ def build_costs(settings: Settings, hidden: int | None = None) -> Costs:
     path = settings.conductor.cost_profile
     if path is None:
         ref = reference_costs(HARDWARE[settings.conductor.reference_hardware])
-        if not settings.conductor.online_cost:
-            return ref
-        online = OnlineCostModel(ref.prefill, ref.decode, hidden=hidden)
-        return Costs(online, online, ref.transfer)
+        return _maybe_online(ref, settings, hidden)
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a profile is a JSON object")
     return costs_from_profile(doc, settings, hidden)
+
+
+def _maybe_online(
+    seed: Costs,
+    settings: Settings,
+    hidden: int | None,
+    pre: Sequence[Sample] = (),
+    dec: Sequence[Sample] = (),
+) -> Costs:
+    """`seed` as it is, or (`conductor.online_cost`) an online model it seeds, anchored on
+    the measured rows `pre` / `dec`."""
+    if not settings.conductor.online_cost:
+        return seed
+    online = OnlineCostModel(
+        seed.prefill, seed.decode, prefill_prior=pre, decode_prior=dec, hidden=hidden
+    )
+    return Costs(online, online, seed.transfer)
 
 
 def online_model(costs: Costs) -> OnlineCostModel | None:

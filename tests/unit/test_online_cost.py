@@ -49,6 +49,8 @@ def test_with_a_profile_it_follows_a_machine_twice_as_slow_as_profiled() -> None
     assert st_["cost_prefill_fitted"] == st_["cost_decode_fitted"] == 1.0
     assert st_["cost_prefill_observed"] == 201 and st_["cost_prefill_refits"] >= 25
     assert st_["cost_prefill_error"] == pytest.approx(1.0, abs=0.1)
+    assert m.error("prefill") == st_["cost_prefill_error"]
+    assert m.error("decode") == st_["cost_decode_error"]
 
 
 def test_without_rows_it_answers_from_the_seed_until_enough_varied_samples() -> None:
