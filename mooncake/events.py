@@ -241,6 +241,21 @@ class DecodeStopped(RequestEvent):
     output_tokens: Annotated[int, Field(ge=0)]
 
 
+class TokensNotStored(RequestEvent):
+    """Some of a request's output tokens did not reach its replayable copy (MC_TOKENS): the
+    broker refused them for longer than the streamer retries (`serving.streaming`). Its
+    client got them live, unless its connection was down too; a read-back will not find
+    indexes `first_index .. last_index`. Recorded after the request's terminal event."""
+
+    SUBJECT: ClassVar[str] = "mc.req.tokens_not_stored"
+    type: Literal["request.tokens_not_stored"] = "request.tokens_not_stored"
+
+    instance: SubjectToken
+    first_index: Annotated[int, Field(ge=0)]
+    last_index: Annotated[int, Field(ge=0)]
+    detail: Annotated[str, Field(max_length=2000)] = ""
+
+
 class RequestCompleted(RequestEvent):
     SUBJECT: ClassVar[str] = "mc.req.completed"
     type: Literal["request.completed"] = "request.completed"
@@ -339,6 +354,7 @@ EVENT_CLASSES: tuple[type[Event], ...] = (
     DecodePreempted,
     DecodeResumed,
     DecodeStopped,
+    TokensNotStored,
     RequestCompleted,
     RequestFailed,
     CancelRequested,
@@ -370,6 +386,7 @@ AnyEvent = Annotated[
     | DecodePreempted
     | DecodeResumed
     | DecodeStopped
+    | TokensNotStored
     | RequestCompleted
     | RequestFailed
     | CancelRequested

@@ -75,6 +75,12 @@ TBT_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1, 2.5),
 )
 SLO_SECONDS = Gauge("mc_slo_seconds", "The configured service-level objective", ["slo"])
+TOKEN_COPIES_NOT_STORED = Counter(
+    "mc_token_copies_not_stored_total",
+    "Requests whose replayable token copy (MC_TOKENS) missed tokens: the broker refused the "
+    "final batch for longer than the streamer retries (each also a request.tokens_not_stored "
+    "event in the record)",
+)
 TOKENS_GENERATED = Counter(
     "mc_tokens_generated_total",
     "Output tokens generated, by stage (prefill samples the first, decode the rest)",

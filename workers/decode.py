@@ -73,7 +73,7 @@ class DecodeWorker:
         s = ctx.settings
         self.instance = ctx.instance_id
         self.subjects = WorkSubjects(ctx.ns)
-        self.streamer = TokenStreamer(ctx.nc, ctx.js, ctx.ns)
+        self.streamer = TokenStreamer(ctx.nc, ctx.js, ctx.ns, instance=self.instance)
         self.jobs = Jobs()
         self._consumer = PullConsumer(ctx.nc, ctx.js, work_spec(self.instance), s.bus, ctx.ns)
         self.heartbeats = Heartbeats(s.bus.ack_wait_s / 3)

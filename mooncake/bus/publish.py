@@ -42,6 +42,7 @@ TRANSIENT = (
     nats.errors.OutboundBufferLimitError,
     nats.errors.StaleConnectionError,
     nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,  # 503: "JetStream system temporarily unavailable"
     asyncio.TimeoutError,
 )
 

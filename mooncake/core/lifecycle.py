@@ -51,7 +51,7 @@ _ALLOWED_FROM: dict[type[ev.RequestEvent], frozenset[Status | None]] = {
     ev.DecodeStopped: frozenset({Status.DECODING, Status.CANCELLED}),
 }
 # Facts about a request that may follow its terminal event (they annotate, never change it).
-_AFTER_TERMINAL: tuple[type[ev.RequestEvent], ...] = (ev.DecodeStopped,)
+_AFTER_TERMINAL: tuple[type[ev.RequestEvent], ...] = (ev.DecodeStopped, ev.TokensNotStored)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from pydantic import ValidationError
 
-from mooncake.bus.publish import MSG_ID
+from mooncake import events as ev
+from mooncake import metrics
+from mooncake.bus.publish import MSG_ID, Publisher
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.namespace import Namespace
 from mooncake.work import TokenChunk, Wire, WorkSubjects
@@ -119,14 +121,20 @@ class _Stream:
     subject: str
     pending: list[TokenChunk] = field(default_factory=list)
     since: float = 0.0  # monotonic time the oldest pending chunk was added
+    # One batch of a request in flight at a time: a batch that fails goes back in front of
+    # the queue before the next one (the final one included) is cut, so the copy keeps
+    # index order and never holds the `done` chunk ahead of tokens still to be stored.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def batch_msg_id(request_id: str, first: int, last: int) -> str:
     return f"tok:{request_id}:{first}:{last}"
 
 
-# Waits before the retries of a request's final token batch (nothing flushes after it).
-FINAL_RETRY_DELAYS_S = (0.2, 0.5, 1.0)
+# How long a request's final token batch is retried (the bus's backoff, `Publisher`) before
+# the copy is declared incomplete: a broker node failing over takes seconds; a broker down
+# for minutes is an outage the record has to say something about.
+COPY_GIVE_UP_S = 120.0
 
 
 class TokenStreamer:
@@ -143,13 +151,17 @@ class TokenStreamer:
         js: JetStreamContext,
         ns: Namespace,
         *,
+        instance: str = "unknown",
         flush_s: float = FLUSH_S,
         flush_tokens: int = FLUSH_TOKENS,
+        give_up_s: float = COPY_GIVE_UP_S,
     ) -> None:
         self._nc, self._js = nc, js
         self._subjects = WorkSubjects(ns)
+        self._instance = instance
         self._flush_s, self._flush_tokens = flush_s, flush_tokens
         self._streams: dict[str, _Stream] = {}
+        self._final = Publisher(nc, js, ns, give_up_s=give_up_s)
 
     def open(self, request_id: str, reply_to: str | None) -> None:
         self._streams[request_id] = _Stream(reply_to, self._subjects.tokens(request_id))
@@ -169,7 +181,9 @@ class TokenStreamer:
             s.since = time.monotonic()
         s.pending.append(chunk)
         last = chunk.index + len(chunk.token_ids)
-        if last % self._flush_tokens == 0:  # aligned: a redelivery cuts the same batch
+        # Aligned: a redelivery cuts the same batch (unless one is in flight: then the next
+        # flush takes these with it).
+        if last % self._flush_tokens == 0 and not s.lock.locked():
             await self._publish(chunk.request_id, s)
 
     async def flush_due(self, now: float | None = None) -> None:
@@ -177,55 +191,75 @@ class TokenStreamer:
         due = [
             (rid, s)
             for rid, s in self._streams.items()
-            if s.pending and now - s.since >= self._flush_s
+            if s.pending and now - s.since >= self._flush_s and not s.lock.locked()
         ]
         if due:
             await asyncio.gather(*(self._publish(rid, s) for rid, s in due))
 
     async def close(self, final: TokenChunk | None) -> None:
-        """End a request's stream: its queued copies, then `final` (if any) on both."""
+        """End a request's stream: `final` (if any) to the client, then its copy after the
+        request's queued ones, retried until stored or `give_up_s` has passed (then the
+        record and the client hear which tokens the copy lacks: `TokensNotStored`)."""
         s = self._streams.pop(final.request_id if final else "", None)
         if s is None or final is None:
             return
         if s.reply_to:
             await self._nc.publish(s.reply_to, final.to_json())
-        s.pending.append(final)
-        await self._publish(final.request_id, s, final=True)
+        async with s.lock:  # after a batch in flight: stored, or back in `pending`
+            s.pending.append(final)
+            chunks, s.pending = s.pending, []
+            try:
+                await self._final.publish_raw(
+                    s.subject, TokenBatch(chunks=chunks).to_json(),
+                    {MSG_ID: f"tok:{final.request_id}:done"},
+                )  # fmt: skip
+            except Exception as exc:
+                await self._not_stored(final.request_id, s, chunks, exc)
 
     def discard(self, request_id: str) -> None:
         """Forget a request without a final chunk (another instance ended it)."""
         self._streams.pop(request_id, None)
 
-    async def _publish(self, request_id: str, s: _Stream, *, final: bool = False) -> None:
-        """Store the queued copies as one batch. A batch that cannot be stored (the broker
-        is failing over) goes back in front of the queue and is sent again, with what
-        follows, at the next flush; the final batch is retried here a few times, since no
-        flush follows it. Readers skip indexes they already have, so a batch stored twice
-        (an ack lost, not the message) is harmless."""
-        chunks, s.pending = s.pending, []
-        if not chunks:
-            return
-        first, last = chunks[0].index, chunks[-1].index
-        if chunks[-1].done:
-            msg_id = f"tok:{request_id}:done"
-        else:
-            msg_id = batch_msg_id(request_id, first, last)
-        payload = TokenBatch(chunks=chunks).to_json()
-        for delay in (*FINAL_RETRY_DELAYS_S, None) if final else (None,):
-            try:
-                await self._js.publish(s.subject, payload, headers={MSG_ID: msg_id}, timeout=5.0)
+    async def _publish(self, request_id: str, s: _Stream) -> None:
+        """Store the queued copies as one batch, in one attempt. A batch that cannot be
+        stored (the broker is failing over) goes back in front of the queue and is sent
+        again, with what follows, at the next flush or with the final chunk. Readers skip
+        indexes they already have, so a batch stored twice (an ack lost, not the message)
+        is harmless."""
+        async with s.lock:
+            chunks, s.pending = s.pending, []
+            if not chunks:
                 return
+            first, last = chunks[0].index, chunks[-1].index
+            payload = TokenBatch(chunks=chunks).to_json()
+            try:
+                await self._js.publish(
+                    s.subject, payload, headers={MSG_ID: batch_msg_id(request_id, first, last)},
+                    timeout=5.0,
+                )  # fmt: skip
             except Exception as exc:
-                if delay is not None:
-                    await asyncio.sleep(delay)
-                    continue
-                if not final and request_id in self._streams:
-                    s.pending[:0] = chunks  # the next flush sends them again
-                    log.info("token copy of %s [%d..%d] deferred: %s", request_id, first, last, exc)
-                    return
-                log.warning(
-                    "token copy of %s [%d..%d] not stored: %s", request_id, first, last, exc
-                )
+                s.pending[:0] = chunks
+                log.info("token copy of %s [%d..%d] deferred: %s", request_id, first, last, exc)
+
+    async def _not_stored(
+        self, request_id: str, s: _Stream, chunks: list[TokenChunk], exc: BaseException
+    ) -> None:
+        """The copy of `chunks` is given up: say so in the log, the record and to the client
+        (each best effort: the broker is what failed)."""
+        first, last = chunks[0].index, chunks[-1].index
+        log.error("token copy of %s [%d..%d] not stored: %s", request_id, first, last, exc)
+        metrics.TOKEN_COPIES_NOT_STORED.inc()
+        fact = ev.TokensNotStored(
+            event_id=ev.derived_event_id(f"tok:{request_id}", "not_stored"),
+            request_id=request_id, instance=self._instance, first_index=first,
+            last_index=last, detail=f"{type(exc).__name__}: {exc}"[:2000],
+        )  # fmt: skip
+        try:
+            if s.reply_to:
+                await self._nc.publish(s.reply_to, fact.to_json())
+            await self._final.publish(fact)
+        except Exception as again:
+            log.error("%s: the missing token copy is not recorded either: %s", request_id, again)
 
 
 # --- reading back -----------------------------------------------------------------------------

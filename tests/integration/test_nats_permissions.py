@@ -551,6 +551,7 @@ async def test_engine_tiers_and_preemptions_under_the_role_permissions(
             ev.DecodePreempted(request_id="r-p", instance="d0"),
             ev.DecodeResumed(request_id="r-p", instance="d0"),
             ev.DecodeStopped(request_id="r-p", instance="d0", reason="client", output_tokens=2),
+            ev.TokensNotStored(request_id="r-p", instance="d0", first_index=0, last_index=1),
         ):
             await js.publish(NS.of(type(event)), event.to_json())
         assert decode.last_error is None and conductor.last_error is None

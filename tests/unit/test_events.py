@@ -34,6 +34,7 @@ def _sample_events() -> list[ev.Event]:
         ev.DecodePreempted(request_id="r1", instance="d0", output_tokens=3, context_tokens=40),
         ev.DecodeResumed(request_id="r1", instance="d0", reloaded_tokens=32, waited_s=0.5),
         ev.DecodeStopped(request_id="r1", instance="d0", reason="client", output_tokens=3),
+        ev.TokensNotStored(request_id="r1", instance="d0", first_index=1, last_index=4),
         ev.RequestCompleted(request_id="r1", output_tokens=4, ttft_s=0.1, tbt_s=0.02),
         ev.RequestFailed(request_id="r1", reason="worker_lost"),
         ev.CancelRequested(request_id="r1"),

@@ -154,3 +154,18 @@ def test_a_cancelled_requests_output_tokens_come_from_the_decode_that_stopped_it
     assert apply(done, stopped).error is not None
     prefilled, _ = fold(happy_path()[:4])
     assert apply(prefilled, stopped).error is not None
+
+
+def test_a_token_copy_given_up_annotates_a_completed_request() -> None:
+    """`TokensNotStored` follows the terminal event (the final batch is the last thing a
+    decode stores) and changes nothing of the request's state but its last event."""
+    done, _ = fold(happy_path())
+    assert done is not None
+    fact = ev.TokensNotStored(
+        request_id="r", instance="d0", first_index=3, last_index=5, occurred_at=at(9)
+    )
+    t = apply(done, fact)
+    assert t.error is None and t.state is not None
+    assert t.state.status is Status.COMPLETED
+    assert t.state.output_tokens == done.output_tokens
+    assert t.state.last_event_id == fact.event_id
