@@ -247,9 +247,9 @@ async def _submit(
         )  # fmt: skip
         text = InOrderText(out)
         got = await _follow(replies, out, text, raw)
-        if out.missing():
-            # Reply chunks are at most once: read what did not arrive from the request's
-            # replayable copy (MC_TOKENS), as `ask` does.
+        if out.incomplete:
+            # Reply chunks are at most once: read what did not arrive (the final chunk too)
+            # from the request's replayable copy (MC_TOKENS), as `ask` does.
             try:
                 await fill_from_copy(nc, ns, out)
             except Exception as exc:

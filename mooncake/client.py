@@ -12,11 +12,12 @@ finished request missed back from the request's copy on MC_TOKENS.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,17 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"
 
 
+# What `submit(quiet_s=...)` yields after a quiet stretch (never a message of the system's).
+QUIET: dict[str, Any] = {"quiet": True}
+# `ask` looks in the request's replayable copy after this long without a live message: core
+# NATS drops what is published while a client reconnects (a broker node lost or restarted),
+# the final chunk included, and the copy holds it.
+QUIET_S = 5.0
+# How long a read-back rides out a broker failing over (consumer creation refused or timing
+# out while the stream elects a leader).
+READ_BACK_WITHIN_S = 20.0
+
+
 def is_final(body: dict[str, Any], until: frozenset[str]) -> bool:
     """The reply that ends a request as far as its client is concerned."""
     return bool(body.get("done")) or body.get("type") in until
@@ -55,12 +67,14 @@ async def submit(
     until: frozenset[str] = TERMINAL_TYPES,
     client_id: str | None = None,
     publisher: Publisher | None = None,
-) -> AsyncIterator[dict[str, Any]]:
+    quiet_s: float | None = None,
+) -> AsyncGenerator[dict[str, Any], None]:
     """Publish one request and yield each message that comes back (decision events and
     token chunks), until the last chunk, a terminal decision in `until`, or the timeout.
 
     `client_id` names the end client (the gateway's API key digest) for per-client limits;
-    `publisher` reuses a long-lived one (a worker's)."""
+    `publisher` reuses a long-lived one (a worker's). With `quiet_s`, a stretch that long
+    without a message yields `QUIET` (the caller may look in the replayable copy)."""
     request_id = request_id or new_request_id()
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -78,9 +92,13 @@ async def submit(
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while (remaining := deadline - loop.time()) > 0:
+            wait = remaining if quiet_s is None else min(remaining, quiet_s)
             try:
-                msg = await sub.next_msg(timeout=remaining)
+                msg = await sub.next_msg(timeout=wait)
             except TimeoutError:
+                if wait < remaining:
+                    yield QUIET
+                    continue
                 break
             try:
                 body = json.loads(msg.data)
@@ -177,8 +195,24 @@ class Outcome:
             return []
         return [i for i in range(self.final_index) if i not in self.tokens]
 
+    @property
+    def incomplete(self) -> bool:
+        """What the request's copy may complete: tokens a finished request missed, or the
+        final chunk of one that began (admitted, or tokens seen) and never got it."""
+        begun = self.admitted or bool(self.tokens)
+        return bool(self.missing()) or (begun and self.finish_reason is None)
+
+    def next_missing(self) -> int:
+        """The first index this client lacks (where a read-back starts)."""
+        return next(i for i in range(len(self.tokens) + 1) if i not in self.tokens)
+
     def fill(self, chunk: dict[str, Any]) -> None:
-        """A token chunk read back after the fact: its tokens and text, without timings."""
+        """A token chunk read back after the fact: its tokens and text, without timings (and
+        the end, from a final chunk the client never got live)."""
+        if chunk.get("done") and self.finish_reason is None:
+            self.finish_reason = chunk.get("finish_reason")
+            self.error = chunk.get("error")
+            self.final_index = int(chunk.get("index", 0))
         start = int(chunk.get("index", 0))
         for k, tok in enumerate(chunk.get("token_ids", [])):
             if start + k not in self.tokens:
@@ -202,23 +236,45 @@ async def ask(
     """Submit and collect the whole outcome (decision, tokens, text, timings)."""
     rid = request_id or new_request_id()
     out = Outcome(rid, submitted_at=time.monotonic())
-    async for body in submit(
-        nc,
-        prompt,
-        ns=ns,
-        token_ids=token_ids,
-        params=params,
-        request_id=rid,
-        timeout_s=timeout_s,
-        deadline_s=deadline_s,
-    ):
-        out.take(body)
-    if out.missing():
+    ns = ns or ev.Namespace()
+    quiet, looking = 0, None
+    replies = submit(
+        nc, prompt, ns=ns, token_ids=token_ids, params=params, request_id=rid,
+        timeout_s=timeout_s, deadline_s=deadline_s, quiet_s=QUIET_S,
+    )  # fmt: skip
+    try:
+        async with contextlib.aclosing(replies):
+            async for body in replies:
+                if body is not QUIET:
+                    out.take(body)
+                elif looking is not None and looking.done() and looking.result():
+                    break  # the copy ended it
+                elif looking is None or looking.done():
+                    # A look in the copy runs beside the live stream (whose timings it must
+                    # not hold up); before a decision, which may be what was lost, every
+                    # third quiet stretch.
+                    quiet += 1
+                    if out.incomplete or quiet % 3 == 0:
+                        looking = asyncio.create_task(_caught_up(nc, ns, out))
+    finally:
+        if looking is not None and not looking.done():
+            looking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await looking
+    if out.incomplete:
         try:
-            await fill_from_copy(nc, ns or ev.Namespace(), out)
-        except Exception as exc:  # no JetStream access (a gateway-scoped user), a failover
+            await fill_from_copy(nc, ns, out)
+        except Exception as exc:  # no JetStream access (a gateway-scoped user), an outage
             log.warning("%s: tokens %s not read back: %s", rid, out.missing(), exc)
     return out
+
+
+async def _caught_up(nc: NATS, ns: ev.Namespace, out: Outcome) -> bool:
+    """Whether the request's copy ended it for this client (a quick look: the live stream
+    goes on otherwise)."""
+    with contextlib.suppress(Exception):
+        await fill_from_copy(nc, ns, out, idle_timeout_s=1.0, within_s=2.0)
+    return out.finished and not out.missing()
 
 
 class InOrderText:
@@ -246,21 +302,36 @@ class InOrderText:
 
 
 async def fill_from_copy(
-    nc: NATS, ns: ev.Namespace, out: Outcome, idle_timeout_s: float = 5.0
+    nc: NATS,
+    ns: ev.Namespace,
+    out: Outcome,
+    idle_timeout_s: float = 5.0,
+    within_s: float = READ_BACK_WITHIN_S,
 ) -> None:
-    """Read the tokens a finished request's client missed from the request's replayable
-    copy on MC_TOKENS. Without this a reply chunk lost in transit (core NATS, at most once)
-    silently shortens the answer while the final chunk says it is complete."""
-    from mooncake.serving.streaming import resume_tokens  # the serving side, only when needed
+    """Read what the client missed from the request's replayable copy on MC_TOKENS: tokens
+    that did not arrive live (core NATS, at most once) and the final chunk if it never came.
+    Without this a lost chunk silently shortens the answer while the final chunk says it is
+    complete. A broker failing over is ridden out for `within_s`."""
+    from mooncake.bus.publish import TRANSIENT  # the serving side, only when needed
+    from mooncake.serving.streaming import resume_tokens
 
-    async for chunk in resume_tokens(
-        nc.jetstream(), ns, out.request_id, min(out.missing()), idle_timeout_s=idle_timeout_s
-    ):
-        if chunk.done:
-            break
-        out.fill(chunk.model_dump(mode="json"))
-        if not out.missing():
-            break
+    deadline = time.monotonic() + within_s
+    delay = 0.1
+    while True:
+        try:
+            async for chunk in resume_tokens(
+                nc.jetstream(), ns, out.request_id, out.next_missing(),
+                idle_timeout_s=idle_timeout_s,
+            ):  # fmt: skip
+                out.fill(chunk.model_dump(mode="json"))
+                if out.finished and not out.missing():
+                    return
+            return
+        except TRANSIENT:
+            if time.monotonic() + delay > deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
 
 # The Conductor's durable consumer of submissions (canonical names; the worker makes it).
