@@ -394,9 +394,30 @@ class RecordCheck:
     events_rows: int  # rows of the compared range (up to each stream's compared sequence)
     missing_from_record: list[str]  # carried by a stream, not in `events`
     not_in_streams: list[str]  # in `events`, carried by no stream
-    duplicate_rows: int  # rows beyond one per event id (the unique index forbids any)
-    stream_duplicates: int  # messages carrying an event id an earlier message carried
+    # Stream sequences the record holds no row for, and rows whose sequence no message has
+    # (a row recorded under the wrong sequence shows in both).
+    sequence_gaps: list[int]
+    stray_sequences: list[int]
+    stream_duplicates: list[str]  # event ids more than one message carried (dedupe missed)
     msg_id_mismatches: int  # Nats-Msg-Id differs from the payload's event id
+
+    @property
+    def violations(self) -> list[str]:
+        found = []
+        if self.missing_from_record:
+            found.append(f"carried but not recorded: {self.missing_from_record[:10]}")
+        if self.not_in_streams:
+            found.append(f"recorded but not carried: {self.not_in_streams[:10]}")
+        if self.sequence_gaps or self.stray_sequences:
+            found.append(
+                f"record sequences: gaps {self.sequence_gaps[:10]}, "
+                f"strays {self.stray_sequences[:10]}"
+            )
+        if self.stream_duplicates:
+            found.append(f"carried twice: {self.stream_duplicates[:10]}")
+        if self.msg_id_mismatches:
+            found.append(f"{self.msg_id_mismatches} message ids differ from their event ids")
+        return found
 
 
 async def record_vs_streams(
@@ -405,6 +426,8 @@ async def record_vs_streams(
     carried: list[str] = []
     mismatches = 0
     table: list[str] = []
+    gaps: list[int] = []
+    strays: list[int] = []
     async with engine.connect() as conn:
         for name, last in lasts.items():
             stream = ns.stream(name)
@@ -412,23 +435,33 @@ async def record_vs_streams(
             assert [m[0] for m in msgs] == sorted({m[0] for m in msgs}), "stream read twice"
             carried += [eid for _, eid, _ in msgs]
             mismatches += sum(1 for _, eid, mid in msgs if eid != mid)
-            rows = await conn.execute(
-                text("SELECT event_id FROM events WHERE stream = :s AND stream_seq <= :last"),
-                {"s": stream, "last": last},
+            rows = list(
+                await conn.execute(
+                    text(
+                        "SELECT event_id, stream_seq FROM events "
+                        "WHERE stream = :s AND stream_seq <= :last"
+                    ),
+                    {"s": stream, "last": last},
+                )
             )
             table += [r[0] for r in rows]
-        total = (await conn.execute(text("SELECT count(*) FROM events"))).scalar_one()
-        distinct = (
-            await conn.execute(text("SELECT count(DISTINCT event_id) FROM events"))
-        ).scalar_one()
+            # A later copy of an event is rightly not recorded: only first carriers count.
+            firsts: dict[str, int] = {}
+            for seq, eid, _ in msgs:
+                firsts.setdefault(eid, seq)
+            recorded = {int(r[1]) for r in rows}
+            gaps += sorted(set(firsts.values()) - recorded)
+            strays += sorted(recorded - {m[0] for m in msgs})
     carried_set, table_set = set(carried), set(table)
+    twice = sorted(eid for eid, n in Counter(carried).items() if n > 1)
     return RecordCheck(
         stream_messages=len(carried),
         events_rows=len(table),
         missing_from_record=sorted(carried_set - table_set),
         not_in_streams=sorted(table_set - carried_set),
-        duplicate_rows=int(total) - int(distinct),
-        stream_duplicates=len(carried) - len(carried_set),
+        sequence_gaps=gaps,
+        stray_sequences=strays,
+        stream_duplicates=twice,
         msg_id_mismatches=mismatches,
     )
 
@@ -459,6 +492,18 @@ async def terminal_types(engine: AsyncEngine, ids: list[str]) -> Counter[str]:
             {"ids": ids, "t": list(TERMINAL)},
         )
         return Counter(r[0] for r in rows)
+
+
+async def ended_as(engine: AsyncEngine, ids: list[str], type_: str) -> list[str]:
+    """Which of `ids` the record ended with a `type_` event."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text(
+                "SELECT DISTINCT request_id FROM events WHERE request_id = ANY(:ids) AND type = :t"
+            ),
+            {"ids": ids, "t": type_},
+        )
+        return sorted(r[0] for r in rows)
 
 
 async def redispatched_requests(engine: AsyncEngine) -> int:
@@ -537,6 +582,7 @@ def write_result(path: Path, row: dict[str, Any]) -> None:
 
 def record_dict(check: RecordCheck) -> dict[str, Any]:
     d = asdict(check)
-    d["missing_from_record"] = len(check.missing_from_record)
-    d["not_in_streams"] = len(check.not_in_streams)
+    for name in ("missing_from_record", "not_in_streams", "sequence_gaps", "stray_sequences",
+                 "stream_duplicates"):  # fmt: skip
+        d[name] = len(getattr(check, name))
     return d
