@@ -115,3 +115,138 @@ async def test_an_event_id_reused_for_another_request_is_recorded_once_per_reque
         "abc", "submitted"
     )
     assert await verify(engine) == []
+
+
+def _scripted() -> list[ev.Event]:
+    """A history touching every branch of the request fold, with its timestamps."""
+
+    def t(s: float) -> datetime:
+        return T0 + timedelta(seconds=s)
+
+    return [
+        # "done": a prefill redelivered, a decode preempted, resumed and re-dispatched
+        ev.RequestSubmitted(request_id="done", token_ids=[1, 2, 3, 4, 5],
+                            params=ev.SamplingParams(max_tokens=8), client_id="c1",
+                            occurred_at=t(0)),
+        ev.RequestAdmitted(request_id="done", policy="early", prefill_instance="p0",
+                           decode_instance="d0", predicted_ttft_s=0.5, predicted_tbt_s=0.04,
+                           occurred_at=t(1)),
+        ev.PrefillStarted(request_id="done", instance="p0", occurred_at=t(2)),
+        ev.PrefillStarted(request_id="done", instance="p1", attempt=2, occurred_at=t(3)),
+        ev.RequestPrefilled(request_id="done", instance="p1", prompt_tokens=5, cached_tokens=2,
+                            remote_cached_tokens=1, prefill_s=0.3, occurred_at=t(4)),
+        ev.DecodeStarted(request_id="done", instance="d0", occurred_at=t(5)),
+        ev.DecodePreempted(request_id="done", instance="d0", occurred_at=t(6)),
+        ev.DecodeResumed(request_id="done", instance="d0", occurred_at=t(7)),
+        ev.DecodeStarted(request_id="done", instance="d1", attempt=2, occurred_at=t(8)),
+        ev.RequestCompleted(request_id="done", output_tokens=7, finish_reason="length",
+                            ttft_s=1.5, tbt_s=0.05, occurred_at=t(9)),
+        ev.TokensNotStored(request_id="done", instance="d1", first_index=5, last_index=7,
+                           occurred_at=t(10)),
+        # "cancelled": its decode says how many tokens went out, after the cancellation
+        ev.RequestSubmitted(request_id="cancelled", token_ids=[9], occurred_at=t(0)),
+        ev.RequestAdmitted(request_id="cancelled", policy="none", occurred_at=t(1)),
+        ev.PrefillStarted(request_id="cancelled", instance="p0", occurred_at=t(2)),
+        ev.RequestPrefilled(request_id="cancelled", instance="p0", prompt_tokens=1,
+                            occurred_at=t(3)),
+        ev.DecodeStarted(request_id="cancelled", instance="d0", occurred_at=t(4)),
+        ev.CancelRequested(request_id="cancelled", occurred_at=t(5)),
+        ev.RequestCancelled(request_id="cancelled", stage="decode", occurred_at=t(6)),
+        ev.DecodeStopped(request_id="cancelled", instance="d0", reason="client",
+                         output_tokens=3, occurred_at=t(7)),
+        # "rejected" at admission; "failed" at prefill
+        ev.RequestSubmitted(request_id="rejected", token_ids=[1], occurred_at=t(0)),
+        ev.RequestRejected(request_id="rejected", reason=ev.RejectReason.TTFT_SLO,
+                           policy="early", occurred_at=t(1)),
+        ev.RequestSubmitted(request_id="failed", token_ids=[1, 2], occurred_at=t(0)),
+        ev.RequestAdmitted(request_id="failed", policy="none", occurred_at=t(1)),
+        ev.PrefillStarted(request_id="failed", instance="p0", occurred_at=t(2)),
+        ev.RequestFailed(request_id="failed", reason="prefill_error", stage="prefill",
+                         occurred_at=t(3)),
+        # "illegal": a completion straight after submission is counted, not applied
+        ev.RequestSubmitted(request_id="illegal", token_ids=[1], occurred_at=t(0)),
+        ev.RequestCompleted(request_id="illegal", output_tokens=1, occurred_at=t(1)),
+    ]  # fmt: skip
+
+
+# Worked out by hand from the history above, column by column (not by the fold under test).
+EXPECTED = {
+    "done": {
+        "status": "completed", "client_id": "c1", "max_tokens": 8, "policy": "early",
+        "prefill_instance": "p1", "decode_instance": "d1", "prompt_tokens": 5,
+        "cached_tokens": 2, "remote_cached_tokens": 1, "output_tokens": 7,
+        "prefill_attempts": 2, "decode_attempts": 2, "preemptions": 1,
+        "predicted_ttft_s": 0.5, "predicted_tbt_s": 0.04, "prefill_s": 0.3, "ttft_s": 1.5,
+        "tbt_s": 0.05, "finish_reason": "length", "reject_reason": None,
+        "failure_reason": None, "cancel_requested": False, "illegal_events": 0,
+        "finished_at": T0 + timedelta(seconds=9),
+    },
+    "cancelled": {
+        "status": "cancelled", "policy": "none", "prefill_instance": "p0",
+        "decode_instance": "d0", "prompt_tokens": 1, "output_tokens": 3,
+        "prefill_attempts": 1, "decode_attempts": 1, "preemptions": 0,
+        "finish_reason": None, "cancel_requested": True, "illegal_events": 0,
+        "finished_at": T0 + timedelta(seconds=6),
+    },
+    "rejected": {
+        "status": "rejected", "policy": "early", "reject_reason": "ttft_slo",
+        "prefill_attempts": 0, "output_tokens": 0, "illegal_events": 0,
+        "finished_at": T0 + timedelta(seconds=1),
+    },
+    "failed": {
+        "status": "failed", "failure_reason": "prefill_error", "prefill_attempts": 1,
+        "decode_attempts": 0, "prompt_tokens": 2, "illegal_events": 0,
+        "finished_at": T0 + timedelta(seconds=3),
+    },
+    "illegal": {
+        "status": "submitted", "output_tokens": 0, "illegal_events": 1, "finished_at": None,
+    },
+}  # fmt: skip
+
+
+def _mismatches(requests: dict[str, dict[str, object]]) -> list[str]:
+    return [
+        f"{rid}.{col}: {requests[rid].get(col)!r} != {want!r}"
+        for rid, cols in EXPECTED.items()
+        for col, want in cols.items()
+        if requests[rid].get(col) != want
+    ]
+
+
+async def _record_scripted(engine: AsyncEngine) -> dict[str, dict[str, object]]:
+    items = [Incoming(e, "MC_REQ", i + 1, e.SUBJECT) for i, e in enumerate(_scripted())]
+    for start in range(0, len(items), 7):  # several batches, as the recorder writes them
+        async with engine.begin() as conn:
+            await record_events(conn, items[start : start + 7])
+    async with engine.connect() as conn:
+        return (await read_projections(conn))["requests"]
+
+
+async def test_the_requests_projection_equals_a_history_worked_out_by_hand(
+    engine: AsyncEngine,
+) -> None:
+    """`verify` compares the live projection with a rebuild, and both run the same fold: it
+    cannot catch a wrong fold. This compares the projection with hand-computed values."""
+    requests = await _record_scripted(engine)
+    assert set(requests) == set(EXPECTED)
+    assert _mismatches(requests) == []
+
+
+async def test_a_wrong_fold_passes_verify_but_not_the_hand_computed_history(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The companion: a fold that forgets preemptions agrees with its own rebuild."""
+    from dataclasses import replace
+
+    from mooncake.core import lifecycle
+
+    right = lifecycle._fold
+
+    def wrong(s: lifecycle.RequestState, e: ev.RequestEvent) -> lifecycle.RequestState:
+        new = right(s, e)
+        return replace(new, preemptions=0) if isinstance(e, ev.DecodePreempted) else new
+
+    monkeypatch.setattr(lifecycle, "_fold", wrong)
+    requests = await _record_scripted(engine)
+    assert await verify(engine) == []  # blind to it
+    assert _mismatches(requests) == ["done.preemptions: 0 != 1"]
