@@ -28,7 +28,7 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from nats.aio.msg import Msg
 
 from mooncake import events as ev
 from mooncake.bus.connection import ensure_streams
-from mooncake.bus.consume import Ack, DeadLetter, Delivery
+from mooncake.bus.consume import Ack, DeadLetter, Delivery, Retry
 from mooncake.bus.publish import MSG_ID, Publisher
 from mooncake.config import BusSettings, ConductorSettings, EngineSettings, Settings
 from mooncake.store import protocol as p
@@ -196,17 +196,35 @@ class Live:
         assert len(outcomes) == 1
         return outcomes[0]
 
-    def settle(self) -> None:
-        """Let the decisions published so far reach this process's subscription."""
-        self.run(self.nc.flush())
-        self.run(asyncio.sleep(0.05))
+    def until(self, check: Callable[[], bool], within_s: float = 10.0) -> bool:
+        """Run the loop until `check()` holds (what the subscriptions heard), at most
+        `within_s`: waited for, never slept on."""
+
+        async def wait() -> bool:
+            deadline = time.monotonic() + within_s
+            while not check():
+                if time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.005)
+            return True
+
+        return bool(self.run(wait()))
+
+    def decisions(self, rid: str) -> list[dict[str, Any]]:
+        """The decisions heard for `rid`, once one has reached this process's subscription
+        (each is published before `decide` returns)."""
+
+        def decided() -> list[dict[str, Any]]:
+            return [e for e in self.heard[rid] if e["type"] != "request.cancelled"]
+
+        self.until(lambda: bool(decided()))
+        return decided()
 
     def admits_a_good_request(self) -> None:
         rid = fresh_id("good")
         outcome = self.decide(json.dumps(submitted_base(rid)).encode())
         assert isinstance(outcome, Ack), outcome
-        self.settle()
-        assert [e["type"] for e in self.heard[rid]] == ["request.admitted"], self.heard[rid]
+        assert [e["type"] for e in self.decisions(rid)] == ["request.admitted"], self.heard[rid]
 
 
 @pytest.fixture(scope="module")
@@ -271,9 +289,8 @@ def test_a_reply_to_inside_the_system_is_refused_without_publishing_there(live: 
     rid = fresh_id("hijack")
     outcome = live.decide(json.dumps(submitted_base(rid) | {"reply_to": target}).encode())
     assert isinstance(outcome, Ack), outcome
-    live.settle()
+    [rejected] = live.decisions(rid)
     live.run(sub.unsubscribe())
-    [rejected] = live.heard[rid]
     assert (rejected["type"], rejected["reason"]) == ("request.rejected", "invalid_request")
     assert "reply_to" in rejected["detail"], rejected
     assert landed == []
@@ -306,9 +323,7 @@ def test_an_invalid_submission_is_told_to_its_reply_to(
             if v is not None}  # fmt: skip
     outcome = live.decide(json.dumps(body).encode())
     assert isinstance(outcome, Ack), outcome
-    deadline = time.monotonic() + 5
-    while not got and time.monotonic() < deadline:
-        live.settle()
+    live.until(lambda: bool(got) and bool(live.heard[rid]))
     live.run(sub.unsubscribe())
     [told] = got
     assert (told["type"], told["request_id"], told["reason"]) == (
@@ -334,8 +349,7 @@ def test_fuzzed_submissions_are_decided_or_dead_lettered_never_retried(
         assert sample.request_id is None, f"{rid} is readable, yet nobody is told: {sample}"
         return
     if sample.request_id is not None:
-        live.settle()
-        decisions = [e for e in live.heard[rid] if e["type"] != "request.cancelled"]
+        decisions = live.decisions(rid)
         assert len(decisions) == 1, (decisions, sample)
         if decisions[0]["type"] == "request.rejected":
             assert decisions[0]["reason"] in {r.value for r in ev.RejectReason}
@@ -366,7 +380,7 @@ def test_a_cancel_for_an_admitted_request_still_ends_it_once(live: Live) -> None
     for cancel in (again, again, ev.CancelRequested(request_id=rid, reason="other")):
         d = live.delivery(cancel.to_json(), live.ns.subject(ev.CancelRequested.SUBJECT))
         assert isinstance(live.run(live.conductor.cancel(d)), Ack)
-    live.settle()
+    live.until(lambda: any(e["type"] == "request.cancelled" for e in live.heard[rid]))
     heard = live.heard[rid]
     assert heard[0]["type"] == "request.admitted"
     ends = {e["event_id"] for e in heard[1:]}
@@ -422,10 +436,17 @@ def test_the_conductors_feed_survives_hostile_reports_and_index_events(
         await asyncio.sleep(0.05)
 
     live.run(send())
-    # The decision still comes (an odd view may send it to a fuzzed instance: still decided).
+    # A valid request is still decided: admitted (an odd view may send it to a fuzzed
+    # instance) or rejected with a reason, or held back while the view says no decode pool
+    # has KV room (a fuzzed capacity of 0): delayed, not dropped. Never dead-lettered.
     rid = fresh_id("good")
     outcome = live.decide(json.dumps(submitted_base(rid)).encode())
-    assert isinstance(outcome, Ack | DeadLetter) or "KV room" in str(outcome), outcome
+    if isinstance(outcome, Retry):
+        assert "KV room" in str(outcome), outcome
+        return
+    assert isinstance(outcome, Ack), outcome
+    (decision,) = live.decisions(rid)
+    assert decision["type"] == "request.admitted" or decision.get("detail"), decision
 
 
 # --- the same through the broker, into real processes ---------------------------------------------
@@ -575,19 +596,26 @@ def test_submissions_with_nul_characters_are_decided_and_recorded(procs: Procs) 
     procs.run_with_fake_instances(check())
 
 
-# No shrinking: every example waits up to 60 s for the record, and a shrink runs dozens.
+# 200 examples of 10 submissions each, derandomized (CI runs the same 2,000 every time; a
+# seed finds new ones locally: MC_FUZZ_RANDOM=1). No shrinking: every example waits up to
+# 60 s for the record, and a shrink runs dozens.
+BROKER_FUZZ = 200
+BROKER_BATCH = 10
+
+
 @settings(
-    max_examples=2,
+    max_examples=BROKER_FUZZ,
     deadline=None,
     suppress_health_check=list(HealthCheck),
     phases=[Phase.explicit, Phase.generate],
+    derandomize=not os.environ.get("MC_FUZZ_RANDOM"),
 )
 @given(data=st.data())
 def test_fuzzed_batches_through_the_broker_are_all_accounted_for(
     procs: Procs, data: st.DataObject
 ) -> None:
     ns = ev.Namespace(procs.settings.namespace)
-    samples = [data.draw(submissions(fresh_id("fb"))) for _ in range(40)]
+    samples = [data.draw(submissions(fresh_id("fb"))) for _ in range(BROKER_BATCH)]
     url = procs.settings.database_url
     assert url
 
@@ -635,7 +663,7 @@ def test_fuzzed_batches_through_the_broker_are_all_accounted_for(
             assert all(w.proc is not None and w.proc.poll() is None for w in procs.workers)
             if time.monotonic() > deadline:
                 pytest.fail(await _broker_fuzz_report(procs, samples, acks, counts, dead))
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.02)
         # One decision per submission: a request id submitted once has exactly one.
         once = [rid for rid in expected if readable.count(rid) <= 1]
         if not all(counts[rid] == 1 for rid in once):
