@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -511,21 +510,6 @@ def test_node_loss_during_a_move_cancels_it() -> None:
     st.tick(11.0)
     assert st.exists_many(["x", "y"]) == [False, True]
     refused(st.move_done("x", "a-ssd-0", 12.0), Reason.NOT_FOUND)
-
-
-# --- throughput (a sanity bound, not a benchmark) ---------------------------------------------
-
-
-def test_lookups_are_cheap() -> None:
-    st = master(*(dram(f"n{i}", 64 * 1024 * KB) for i in range(4)))
-    keys = [f"k{i}" for i in range(5000)]
-    for k in keys:
-        put(st, k, 4 * KB)
-    t0 = time.perf_counter()
-    for i in range(20_000):
-        st.lookup(keys[i % 5000], 1.0)
-    # >= 20k lookups/s is the requirement; a generous bound keeps slow CI machines green.
-    assert time.perf_counter() - t0 < 5.0
 
 
 @pytest.mark.parametrize("bad", [{"high_watermark": 0.0}, {"evict_fraction": 1.0}])
