@@ -18,6 +18,17 @@ from mooncake.config import Settings
 
 # deploy/nats: the broker configs, and the users auth.conf defines (one per role).
 NATS_DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "nats"
+# The FAST'25 traces where ../shared is checked out beside the repository; elsewhere (a clean
+# clone, CI) the head of the conversation trace the package ships stands in for either one.
+SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACE_HEAD = Path(__file__).resolve().parents[1] / "mooncake" / "data" / "conversation_head.jsonl"
+
+
+def trace_file(name: str = "conversation") -> Path:
+    full = SHARED_TRACES / f"{name}_trace.jsonl"
+    return full if full.exists() else TRACE_HEAD
+
+
 NATS_ROLES = (
     "admin",
     "recorder",

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from mooncake.cli import app
-from mooncake.sim.paper import TRACE_NAMES, TRACES
+from mooncake.sim.paper import TRACE_NAMES
 
-pytestmark = pytest.mark.skipif(
-    not (TRACES / "conversation_trace.jsonl").exists(), reason="shared traces not present"
-)
+from helpers import trace_file
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = (
     "capacity.png", "hit_rate.png", "scheduling.png", "overload.png",
@@ -29,11 +27,12 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_paper_quick_writes_the_plots_next_to_the_tables(tmp_path: Path) -> None:
-    # Small traces: the first 120 requests of each shared trace (quick caps them anyway).
+    # Small traces: the first 120 requests of each trace (quick caps them anyway); the
+    # packaged head stands in for both where ../shared is not checked out.
     traces = tmp_path / "traces"
     traces.mkdir()
     for name in TRACE_NAMES:
-        lines = (TRACES / f"{name}_trace.jsonl").read_text().splitlines()[:120]
+        lines = trace_file(name).read_text().splitlines()[:120]
         (traces / f"{name}_trace.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     args = ["simulate", "paper", "--quick", "--json", "--traces", str(traces), "--out", str(out)]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from mooncake.trace import TraceError, load_trace, request_tokens, reuse_ratio
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+from helpers import SHARED_TRACES as TRACES
+from helpers import TRACE_HEAD
+
 needs_traces = pytest.mark.skipif(
     not (TRACES / "conversation_trace.jsonl").exists(), reason="../shared/traces not present"
 )
@@ -29,6 +32,37 @@ def test_reuse_ratios_match_the_measured_ones(
     assert reuse_ratio(reqs, 5859, partial_blocks=True) == pytest.approx(lru_5859, abs=0.0005)
     whole_only = reuse_ratio(reqs)
     assert unbounded - 0.01 < whole_only <= reuse_ratio(reqs, partial_blocks=True)
+
+
+def _reference_reuse(path: Path, capacity: int | None) -> float:
+    """The reuse ratio straight from the JSON lines, partial blocks counted, with the LRU as
+    a plain list (most recent last): slow, obvious, independent of `mooncake.trace`."""
+    lru: list[int] = []
+    reused = total = 0
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        hit = 0
+        while hit < len(r["hash_ids"]) and r["hash_ids"][hit] in lru:
+            hit += 1
+        reused += min(512 * hit, r["input_length"])
+        total += r["input_length"]
+        for h in r["hash_ids"]:
+            if h in lru:
+                lru.remove(h)
+            lru.append(h)
+        while capacity is not None and len(lru) > capacity:
+            lru.pop(0)
+    return reused / total
+
+
+@pytest.mark.parametrize("capacity", [None, 50, 400])
+def test_reuse_ratio_on_the_packaged_head_equals_a_reference(capacity: int | None) -> None:
+    """Runs everywhere (the head ships in the package), unlike the README figures above."""
+    reqs = load_trace(TRACE_HEAD)
+    assert len(reqs) == 200
+    want = _reference_reuse(TRACE_HEAD, capacity)
+    assert 0 < want < 1
+    assert reuse_ratio(reqs, capacity, partial_blocks=True) == pytest.approx(want, abs=1e-12)
 
 
 def test_tokens_follow_hash_ids_and_scale(tmp_path: Path) -> None:
