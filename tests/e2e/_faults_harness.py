@@ -420,6 +420,43 @@ class RecordCheck:
         return found
 
 
+@dataclass
+class Promise:
+    """What a fault run found against RELIABILITY.md's promise: every request the test
+    submitted is recorded and ends exactly once, completed (with the engine's own answer) or
+    rejected with a reason, never failed; its client hears the ending; the record equals
+    what the streams carried."""
+
+    settled: bool
+    never_recorded: list[str]
+    lost: list[str]  # no terminal event
+    duplicated: list[str]  # more than one
+    orphans: list[str]  # an ending without a submission
+    wrong: list[str]  # answers that differ from the engine's (short ones included)
+    failed: list[str]
+    unanswered: list[str]
+    record: RecordCheck
+
+    @property
+    def violations(self) -> list[str]:
+        found = [] if self.settled else ["not every submitted request ended within 120 s"]
+        for what, ids in (
+            ("submitted but never recorded", self.never_recorded),
+            ("no terminal event", self.lost),
+            ("more than one terminal event", self.duplicated),
+            ("terminal event without a submission", self.orphans),
+            ("answers differ from the engine's", self.wrong),
+            # No fault is a reason to fail a request: its work is re-dispatched.
+            ("requests ended failed", self.failed),
+            # Live replies are core NATS: a broker restart drops those in flight, and the
+            # client reads its ending back from the request's copy (`client.ask`).
+            ("clients that never heard an ending", self.unanswered),
+        ):
+            if ids:
+                found.append(f"{what}: {ids[:10]}")
+        return found + self.record.violations
+
+
 async def record_vs_streams(
     js: JetStreamContext, engine: AsyncEngine, ns: ev.Namespace, lasts: dict[str, int]
 ) -> RecordCheck:

@@ -44,6 +44,8 @@ from _faults_harness import (
     FaultStack,
     Knobs,
     Probes,
+    Promise,
+    RecordCheck,
     StageWatch,
     Supervisor,
     Traffic,
@@ -73,7 +75,7 @@ from mooncake import events as ev
 from mooncake.bus import terminal
 from mooncake.bus.connection import ensure_streams
 from mooncake.bus.publish import MSG_ID, Publisher
-from mooncake.client import ask
+from mooncake.client import Outcome, ask
 from mooncake.config import EngineSettings, GatewaySettings, Settings
 from mooncake.db.engine import async_engine
 from mooncake.db.rebuild import verify
@@ -325,26 +327,10 @@ async def _run(
     logs = stack.logs()
     tracebacks = {name: text_.count("Traceback") for name, text_ in logs.items()}
 
-    violations: list[str] = []
-    if not settled:
-        violations.append("not every submitted request ended within 120 s")
-    if never_recorded:
-        violations.append(f"submitted but never recorded: {never_recorded[:10]}")
-    if lost:
-        violations.append(f"no terminal event: {lost[:10]}")
-    if duplicated:
-        violations.append(f"more than one terminal event: {duplicated[:10]}")
-    if orphans:
-        violations.append(f"terminal event without a submission: {orphans[:10]}")
-    if wrong:
-        violations.append(f"answers differ from the engine's: {wrong[:10]}")
-    if failed:  # no fault here is a reason to fail a request: it is re-dispatched
-        violations.append(f"requests ended failed: {failed[:10]}")
-    if unanswered:
-        # Live replies are core NATS: a broker restart drops those in flight, and the client
-        # reads its ending back from the request's copy (`client.ask`).
-        violations.append(f"clients that never heard an ending: {unanswered[:10]}")
-    violations += record.violations
+    promise = Promise(
+        settled, never_recorded, lost, duplicated, orphans, wrong, failed, unanswered, record
+    )
+    violations = promise.violations
     if projection_diffs:
         violations.append(f"projections differ from their rebuild: {projection_diffs[:10]}")
     if probes.served_s is None or probes.served_s > knobs.recovery_bound_s:
@@ -596,6 +582,46 @@ async def test_the_record_check_sees_a_lost_a_stray_and_a_twice_ended_request(
     submitted, counts = await terminal_counts(engine)
     assert submitted == {"c0", "c1", "c3", "stray"}
     assert counts == {"c0": 2}
+
+
+def test_the_promise_goes_red_for_a_dropped_token_and_a_failed_request() -> None:
+    """The companion of every scenario above: an answer one token short (its final chunk
+    arrived, or not) and a request that ended failed each break the promise, and nothing
+    else does."""
+    settings = Settings(_env_file=None, block_tokens=16, engine=EngineSettings(model="dummy"))
+    trace = load_trace(TRACE, limit=3)
+    opts = LiveReplayOptions(TRACE, limit=3, tokens_per_block=16, max_output_tokens=6,
+                             vocab_size=settings.engine.dummy.vocab)  # fmt: skip
+    traffic = Traffic(None, settings, trace, opts, prefix="p")  # type: ignore[arg-type]
+    engine = build_engine(settings)
+    for i, req in enumerate(trace):
+        rid = traffic.rid(i)
+        tokens, params = scaled_request(req, opts, settings.hash_seed)
+        traffic.requests[rid] = (tokens, params)
+        want = generate(engine, [tokens], [EngineParams(max_tokens=params.max_tokens)])[0].tokens
+        out = Outcome(rid, decision={"type": "request.admitted"})
+        for k, token in enumerate(want):
+            out.take({"index": k, "token_ids": [token]})
+        out.take({"index": len(want), "done": True, "finish_reason": "length"})
+        traffic.outcomes[rid] = out
+    assert _wrong_answers(settings, traffic, opts) == []
+    # One token dropped in transit and never read back: a finished answer, one short.
+    del traffic.outcomes["p-1"].tokens[2]
+    # And one whose last token and final chunk never came.
+    short = traffic.outcomes["p-2"]
+    short.tokens.pop(max(short.tokens))
+    short.finish_reason = None
+    wrong = _wrong_answers(settings, traffic, opts)
+    assert [w.split()[0] for w in wrong] == ["p-1", "p-2"], wrong
+
+    clean = RecordCheck(3, 3, [], [], [], [], [], 0)
+    kept = Promise(True, [], [], [], [], [], [], [], clean)
+    assert kept.violations == []
+    broken = Promise(True, [], [], [], [], wrong, ["p-0"], [], clean)
+    assert broken.violations == [
+        f"answers differ from the engine's: {wrong}",
+        "requests ended failed: ['p-0']",
+    ]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="Postgres runs as another user only under root")
