@@ -114,10 +114,19 @@ SCENARIOS = (
     Scenario("kill-hot-store-node", "hot-node"),
     Scenario("restart-nats", "nats"),
     Scenario("stop-postgres", "postgres"),
+    # Every role above killed in turn in one run, each restarted before the next is killed.
+    Scenario("kill-every-role", "rolling"),
 )
-# What `make test` runs (about a minute each on 2 cores): the faults no other test covers.
-# Prefill and decode kills are also in tests/e2e/test_pipeline.py; `make faults` runs all.
-CI_SUBSET = {"kill-conductor", "restart-nats", "stop-postgres"}
+# What `make test` runs (about a minute each on 2 cores): every role killed once (in one
+# run), the broker restarted, the database stopped. `make faults` runs each at full size.
+CI_SUBSET = {"kill-every-role", "restart-nats", "stop-postgres"}
+# The order of the rolling kills: the hot block's holder first, while the block has one
+# replica; a role alone is its busiest instance at that moment.
+IN_TURN = (
+    "hot-node", "recorder-0", "store-master-0", "prefill", "decode", "conductor-0", "gateway-0",
+)  # fmt: skip
+# A rolling run needs arrivals across all its kills: the first 120 span 42 s of the trace.
+ROLLING_REQUESTS, ROLLING_SPEED = 120, 1.0
 
 
 def _param(s: Scenario) -> Any:
@@ -210,9 +219,12 @@ async def _run(
     supervisor.start()
     watch = StageWatch(_ns(settings))
     await watch.start(nc)
-    trace = load_trace(TRACE, limit=knobs.requests)
+    requests, speed = knobs.requests, knobs.speed
+    if sc.fault == "rolling":
+        requests, speed = max(requests, ROLLING_REQUESTS), min(speed, ROLLING_SPEED)
+    trace = load_trace(TRACE, limit=requests)
     opts = LiveReplayOptions(
-        TRACE, speed=knobs.speed, limit=knobs.requests, tokens_per_block=16,
+        TRACE, speed=speed, limit=requests, tokens_per_block=16,
         max_output_tokens=knobs.max_output_tokens, vocab_size=settings.engine.dummy.vocab,
         timeout_s=knobs.request_timeout_s,
     )  # fmt: skip
@@ -223,7 +235,7 @@ async def _run(
     if sc.target.startswith("gateway"):  # HTTP answers under way when the gateway dies
         streams = await HttpStreams.open(gateway_url, settings.model_id, nc, _ns(settings))
     try:
-        third = max(3, knobs.requests // 3)
+        third = max(3, requests // 3)
         assert await until(
             lambda: _true(len(traffic.started) >= third and len(traffic.ended) >= 1), 180
         ), "the replay never got going"
@@ -249,7 +261,12 @@ async def _run(
         probes = Probes(submit, f"probe-{sc.name}-{run_id}", t_fault)
         probing = asyncio.create_task(probes.run(knobs.recovery_bound_s + 30))
         outage_s = 0.0
-        if sc.fault in ("kill", "hot-node"):
+        killed: list[str] = []
+        gateway_back = True
+        if sc.fault == "rolling":
+            killed = await _kill_in_turn(stack, db, settings, trace, watch, supervisor, traffic)
+            gateway_back = await until(lambda: http(""), 60)
+        elif sc.fault in ("kill", "hot-node"):
             stack.worker(target).kill()
         elif sc.fault == "nats":
             assert stack.nats is not None
@@ -338,6 +355,12 @@ async def _run(
             f"no new request served within {knobs.recovery_bound_s} s of the fault "
             f"(first served after {probes.served_s})"
         )
+    if sc.fault == "rolling":
+        roles = {name.rsplit("-", 1)[0] for name in killed}
+        if len(killed) != len(IN_TURN) or roles != {w.role for w in stack.workers}:
+            violations.append(f"not every role was killed: {killed}")
+        if not gateway_back:
+            violations.append("the gateway did not serve HTTP within 60 s of its restart")
     if sc.fault == "postgres" and (
         recorded_s is None or recorded_s > knobs.pg_outage_s + knobs.recovery_bound_s
     ):
@@ -360,7 +383,7 @@ async def _run(
         "failed": endings.get("request.failed", 0),
         "rejected": endings.get("request.rejected", 0),
         "cancelled": endings.get("request.cancelled", 0),
-        "killed": target if sc.fault in ("kill", "hot-node") else None,
+        "killed": killed or (target if sc.fault in ("kill", "hot-node") else None),
         "on_killed": on_killed,
         "redone": watch.started_again(),
         "redispatched": redispatched,
@@ -378,8 +401,8 @@ async def _run(
         "replay_s": round(replay_s, 1),
         "wall_s": round(time.monotonic() - started, 1),
         "settings": {
-            "requests": knobs.requests,
-            "speed": knobs.speed,
+            "requests": requests,
+            "speed": speed,
             "pg_outage_s": knobs.pg_outage_s,
             "restart_delay_s": knobs.restart_delay_s,
         },
@@ -390,6 +413,46 @@ async def _run(
     if violations:
         tails = "\n".join(f"--- {n}\n{t[-1500:]}" for n, t in logs.items())
         pytest.fail(f"{sc.name}: {violations}\n{row}\n{tails}")
+
+
+async def _kill_in_turn(
+    stack: FaultStack,
+    db: AsyncEngine,
+    settings: Settings,
+    trace: list[Any],
+    watch: StageWatch,
+    supervisor: Supervisor,
+    traffic: Traffic,
+) -> list[str]:
+    """kill -9 each role of `IN_TURN` while the replay runs; the next only once the killed
+    worker was restarted and the system has ended another request since. The names killed."""
+    killed: list[str] = []
+    names = [w.name for w in stack.workers]
+    for role in IN_TURN:
+        if role == "hot-node":
+            name = await _hot_block_holder(db, _hot_key(settings, trace))
+        elif role in ("prefill", "decode"):
+
+            async def busy(role: str = role) -> bool:
+                return watch.busiest(role, names)[1] > 0
+
+            await until(busy, 30, every=0.05)
+            name = watch.busiest(role, names)[0]
+        else:
+            name = role
+        restarts, ended = len(supervisor.restarts), len(traffic.ended)
+
+        async def restarted(name: str = name, since: int = restarts) -> bool:
+            return any(r == name for r, _ in supervisor.restarts[since:])
+
+        async def serving(since: int = ended) -> bool:
+            return len(traffic.ended) > since or len(traffic.ended) == len(traffic.ids)
+
+        stack.worker(name).kill()
+        killed.append(name)
+        assert await until(restarted, 60), f"{name} was not restarted"
+        await until(serving, 60)
+    return killed
 
 
 def _ns(settings: Settings) -> ev.Namespace:
