@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -703,13 +703,13 @@ def test_embedded_postgres_starts_again_after_a_parent_dir_is_tightened() -> Non
             pg.stop()
 
 
-async def test_a_client_that_missed_a_live_chunk_reads_it_back(settings: Settings) -> None:
-    """Found by the NATS restart above: a reply chunk published while the client was
-    reconnecting never arrived, and `ask` returned a finished answer with a token missing
-    (indices [0, 1, 3, 4] of 5). It now reads the gap back from the tokens' MC_TOKENS copy.
-    A stand-in worker answers here: every chunk to the copy, index 2 not to the client."""
+async def _ask_a_stand_in(
+    settings: Settings, rid: str, wanted: list[int], live: Callable[[int], bool], timeout_s: float
+) -> tuple[Outcome, float]:
+    """`ask` against a stand-in worker that copies every chunk to MC_TOKENS and sends live
+    only the indexes `live` allows (the final chunk's is `len(wanted)`); the outcome and how
+    long `ask` took."""
     ns = _ns(settings)
-    wanted = [7, 8, 9, 10, 11]
     nc = await nats.connect(settings.nats_url)
     try:
         js = nc.jetstream()
@@ -718,22 +718,35 @@ async def test_a_client_that_missed_a_live_chunk_reads_it_back(settings: Setting
 
         async def answer(msg: Any) -> None:
             body = json.loads(msg.data)
-            rid, reply = body["request_id"], body["reply_to"]
+            reply = body["reply_to"]
             streamer.open(rid, reply_to=None)
             for i, tok in enumerate(wanted):
                 chunk = TokenChunk(request_id=rid, index=i, token_ids=[tok])
-                if i != 2:  # lost in transit
+                if live(i):
                     await nc.publish(reply, chunk.to_json())
                 await streamer.emit(chunk, live=False)
             done = TokenChunk(request_id=rid, index=len(wanted), done=True, finish_reason="length")
             await streamer.close(done)
-            await nc.publish(reply, done.to_json())
+            if live(len(wanted)):
+                await nc.publish(reply, done.to_json())
 
         sub = await nc.subscribe(ns.of(ev.RequestSubmitted), cb=answer)
-        out = await ask(nc, token_ids=[1, 2, 3], ns=ns, request_id="gap", timeout_s=10)
+        started = time.monotonic()
+        out = await ask(nc, token_ids=[1, 2, 3], ns=ns, request_id=rid, timeout_s=timeout_s)
+        took = time.monotonic() - started
         await sub.unsubscribe()
     finally:
         await nc.close()
+    return out, took
+
+
+async def test_a_client_that_missed_a_live_chunk_reads_it_back(settings: Settings) -> None:
+    """Found by the NATS restart above: a reply chunk published while the client was
+    reconnecting never arrived, and `ask` returned a finished answer with a token missing
+    (indices [0, 1, 3, 4] of 5). It now reads the gap back from the tokens' MC_TOKENS copy.
+    A stand-in worker answers here: every chunk to the copy, index 2 not to the client."""
+    wanted = [7, 8, 9, 10, 11]
+    out, _ = await _ask_a_stand_in(settings, "gap", wanted, lambda i: i != 2, timeout_s=10)
     assert out.finished
     assert out.token_ids == wanted
     assert out.repaired == 1 and out.missing() == []
@@ -743,36 +756,13 @@ async def test_a_client_whose_final_chunk_was_lost_hears_the_end_from_the_copy(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A broker restart drops every reply published while the client reconnects: here the
-    decision and the final chunk (a stand-in worker sends them to the copy only). `ask`
-    used to wait out its whole timeout and return unanswered; it looks in the copy once the
-    live stream is quiet and returns the finished answer long before the timeout."""
+    decision and the final chunk (the stand-in worker sends nothing live). `ask` used to
+    wait out its whole timeout and return unanswered; it looks in the copy once the live
+    stream is quiet and returns the finished answer long before the timeout."""
     monkeypatch.setattr(client, "QUIET_S", 0.5)
-    ns = _ns(settings)
     wanted = [7, 8, 9]
-    nc = await nats.connect(settings.nats_url)
-    try:
-        js = nc.jetstream()
-        await ensure_streams(js, settings)
-        streamer = TokenStreamer(nc, js, ns)
-
-        async def answer(msg: Any) -> None:
-            body = json.loads(msg.data)
-            rid = body["request_id"]
-            streamer.open(rid, reply_to=None)  # nothing live: the final chunk neither
-            for i, tok in enumerate(wanted):
-                await streamer.emit(TokenChunk(request_id=rid, index=i, token_ids=[tok]))
-            await streamer.close(
-                TokenChunk(request_id=rid, index=len(wanted), done=True, finish_reason="stop")
-            )
-
-        sub = await nc.subscribe(ns.of(ev.RequestSubmitted), cb=answer)
-        started = time.monotonic()
-        out = await ask(nc, token_ids=[1, 2, 3], ns=ns, request_id="lost-end", timeout_s=60)
-        took = time.monotonic() - started
-        await sub.unsubscribe()
-    finally:
-        await nc.close()
-    assert out.finished and out.finish_reason == "stop"
+    out, took = await _ask_a_stand_in(settings, "lost-end", wanted, lambda i: False, 60)
+    assert out.finished and out.finish_reason == "length"
     assert out.token_ids == wanted and out.missing() == []
     # Structural, not a speed target: it did not wait for the 60 s timeout.
     assert took < 30, took
