@@ -237,7 +237,7 @@ async def ask(
     rid = request_id or new_request_id()
     out = Outcome(rid, submitted_at=time.monotonic())
     ns = ns or ev.Namespace()
-    quiet, looking = 0, None
+    quiet, next_look, looking = 0, 3, None
     replies = submit(
         nc, prompt, ns=ns, token_ids=token_ids, params=params, request_id=rid,
         timeout_s=timeout_s, deadline_s=deadline_s, quiet_s=QUIET_S,
@@ -251,10 +251,14 @@ async def ask(
                     break  # the copy ended it
                 elif looking is None or looking.done():
                     # A look in the copy runs beside the live stream (whose timings it must
-                    # not hold up); before a decision, which may be what was lost, every
-                    # third quiet stretch.
+                    # not hold up). Mid-answer a quiet stretch is a stall: look each time.
+                    # Before the first token (a prefill queue may take minutes, or the
+                    # decision was what got lost) after 3, 6, 12, ... stretches, so that a
+                    # replay's queued requests do not each open a consumer every 5 s.
                     quiet += 1
-                    if out.incomplete or quiet % 3 == 0:
+                    mid_answer = bool(out.tokens)
+                    if mid_answer or quiet >= next_look:
+                        next_look = next_look if mid_answer else 2 * quiet
                         looking = asyncio.create_task(_caught_up(nc, ns, out))
     finally:
         if looking is not None and not looking.done():
