@@ -316,26 +316,18 @@ async def fill_from_copy(
     that did not arrive live (core NATS, at most once) and the final chunk if it never came.
     Without this a lost chunk silently shortens the answer while the final chunk says it is
     complete. A broker failing over is ridden out for `within_s`."""
-    from mooncake.bus.publish import TRANSIENT  # the serving side, only when needed
+    from mooncake.bus.publish import retry_transient  # the serving side, only when needed
     from mooncake.serving.streaming import resume_tokens
 
-    deadline = time.monotonic() + within_s
-    delay = 0.1
-    while True:
-        try:
-            async for chunk in resume_tokens(
-                nc.jetstream(), ns, out.request_id, out.next_missing(),
-                idle_timeout_s=idle_timeout_s,
-            ):  # fmt: skip
-                out.fill(chunk.model_dump(mode="json"))
-                if out.finished and not out.missing():
-                    return
-            return
-        except TRANSIENT:
-            if time.monotonic() + delay > deadline:
-                raise
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 2.0)
+    async def read() -> None:
+        async for chunk in resume_tokens(
+            nc.jetstream(), ns, out.request_id, out.next_missing(), idle_timeout_s=idle_timeout_s
+        ):
+            out.fill(chunk.model_dump(mode="json"))
+            if out.finished and not out.missing():
+                return
+
+    await retry_transient(read, within_s)
 
 
 # The Conductor's durable consumer of submissions (canonical names; the worker makes it).

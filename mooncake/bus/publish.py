@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -45,6 +45,24 @@ TRANSIENT = (
     nats.js.errors.ServiceUnavailableError,  # 503: "JetStream system temporarily unavailable"
     asyncio.TimeoutError,
 )
+
+T = TypeVar("T")
+
+
+async def retry_transient(attempt: Callable[[], Awaitable[T]], give_up_s: float) -> T:
+    """`attempt()` until it does not fail transiently (0.1 s between tries, doubling up to
+    2 s), raising its error once `give_up_s` would pass: how a call that is not a publish
+    (a terminal claim, a read-back) rides out a broker restart or a leader election."""
+    delay, deadline = 0.1, time.monotonic() + give_up_s
+    while True:
+        try:
+            return await attempt()
+        except TRANSIENT:
+            if time.monotonic() + delay > deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
 
 _tracer_for: tuple[trace.TracerProvider, trace.Tracer] | None = None
 

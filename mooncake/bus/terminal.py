@@ -10,16 +10,14 @@ also look the slot up before starting work, which is how a cancellation reaches 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from mooncake.bus.publish import TRANSIENT
+from mooncake.bus.publish import retry_transient
 from mooncake.namespace import Namespace
 
 BUCKET = "MC_TERMINAL"  # canonical; namespaced like the streams
@@ -53,15 +51,7 @@ async def claim(
     the first try did land, the retry finds its own value and still wins. Without this a
     decode that finished while the broker restarted threw its work away and did it again."""
     value = f"{kind}:{event_id}".encode()
-    delay, deadline = 0.1, time.monotonic() + give_up_s
-    while True:
-        try:
-            return await _claim_once(kv, _key(request_id), value)
-        except TRANSIENT:
-            if time.monotonic() + delay > deadline:
-                raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    return await retry_transient(lambda: _claim_once(kv, _key(request_id), value), give_up_s)
 
 
 async def _claim_once(kv: KeyValue, key: str, value: bytes) -> bool:
