@@ -29,6 +29,7 @@ from mooncake import events as ev
 from mooncake.bus.connection import connect
 from mooncake.client import Outcome, ask, check_admitting
 from mooncake.config import Settings
+from mooncake.core.quantile import percentiles
 from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
 from mooncake.trace_fit import FitMode, fit_trace
 
@@ -82,24 +83,15 @@ def fitted_trace(opts: LiveReplayOptions) -> tuple[list[TraceRequest], dict[str,
     return fitted.requests, fitted.summary()
 
 
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    v = sorted(values)
-
-    def at(q: float) -> float:
-        return round(v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))], 4)
-
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
-
-
 def summarize(
     outcomes: list[Outcome],
     prefilled: dict[str, dict[str, Any]],
     settings: Settings,
     wall_s: float,
 ) -> dict[str, Any]:
-    rejected = Counter(o.rejected_reason for o in outcomes if o.rejected_reason)
+    rejected = Counter(
+        o.rejected_reason or "unknown" for o in outcomes if o.rejected_reason is not None
+    )
     completed = [o for o in outcomes if o.finished]
     prompt = sum(int(p.get("prompt_tokens", 0)) for p in prefilled.values())
     cached = sum(int(p.get("cached_tokens", 0)) for p in prefilled.values())
@@ -119,8 +111,8 @@ def summarize(
         "cancelled": sum(o.finish_reason == "cancelled" for o in outcomes),
         "failed": sum(o.finish_reason == "failed" for o in outcomes),
         "unfinished": sum(o.admitted and o.finish_reason is None for o in outcomes),
-        "ttft_s": percentiles([o.ttft_s for o in completed if o.ttft_s is not None]),
-        "tbt_s": percentiles([o.tbt_s for o in completed if o.tbt_s is not None]),
+        "ttft_s": percentiles([o.ttft_s for o in completed if o.ttft_s is not None], digits=4),
+        "tbt_s": percentiles([o.tbt_s for o in completed if o.tbt_s is not None], digits=4),
         "output_tokens": sum(len(o.tokens) for o in completed),
         "prompt_tokens": prompt,
         "hit_rate": {

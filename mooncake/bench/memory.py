@@ -41,8 +41,9 @@ from mooncake import events as ev
 from mooncake import memory
 from mooncake.bench.memory_probe import RatioOptions, run_probe
 from mooncake.bench.memwatch import MemoryWatch, cgroup_oom_kills
-from mooncake.bench.record import Record, quantile, read_record, rows, terminals
+from mooncake.bench.record import Record, read_record, rows, terminals
 from mooncake.config import SLO, Settings
+from mooncake.core.quantile import quantile
 from mooncake.replay_live import LiveReplayOptions, fitted_trace, run_live_replay
 from mooncake.stack import Stack
 from mooncake.supervise import Exit

@@ -59,12 +59,12 @@ from mooncake import events as ev
 from mooncake.bench.record import (
     STAGES,
     Record,
-    quantile,
     read_record,
     rows,
     terminals,
 )
 from mooncake.client import Outcome, ask
+from mooncake.core.quantile import quantile
 from mooncake.services import EmbeddedNats, EmbeddedPostgres, ManagedProcess
 from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
 from mooncake.work import LoadReport, WorkSubjects

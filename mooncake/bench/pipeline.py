@@ -37,6 +37,7 @@ from mooncake import events as ev
 from mooncake.bench.relays import RawJetStreamRelay, submitted
 from mooncake.bus.publish import Publisher
 from mooncake.client import ask
+from mooncake.core.quantile import quantile
 from mooncake.services import EmbeddedNats, ManagedProcess
 
 Log = Callable[[str], None]
@@ -76,8 +77,7 @@ def _spawn(role: str, name: str, env: dict[str, str], tmp: Path) -> ManagedProce
 
 
 def _p(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
+    return quantile(values, q) or 0.0
 
 
 async def _ready(nc: NATS, ns: ev.Namespace, within_s: float) -> None:

@@ -1,11 +1,10 @@
 """Reading what a benchmark's requests became from the Postgres record (`events`,
-`requests`), and the quantile its figures use. Shared by `bench overload` and `bench memory`.
+`requests`). Shared by `bench overload` and `bench memory`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import defaultdict
 from typing import Any
@@ -52,11 +51,3 @@ async def read_record(database_url: str, ids: list[str], within_s: float = 30.0)
 
 def terminals(record: Record, rid: str) -> list[tuple[str, dict[str, Any]]]:
     return [(t, p) for t, p in record.get(rid, []) if t in TERMINAL]
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    """Nearest-rank quantile (None for no values); inf counts as a value (a miss)."""
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]

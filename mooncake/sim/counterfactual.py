@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake.core.quantile import percentiles
 from mooncake.hashing import block_keys
 from mooncake.sim.request import tbt_score
 from mooncake.sim.runner import SimResult
@@ -83,14 +84,6 @@ def to_trace(
     return ReplayInput(out, estimated)
 
 
-def _percentiles(xs: list[float]) -> dict[str, float | None]:
-    """Nearest-rank percentiles (as `sim.metrics` computes them); None with no samples."""
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None}
-    xs = sorted(xs)
-    return {f"p{round(q * 100)}": xs[min(len(xs) - 1, int(q * len(xs)))] for q in (0.5, 0.9, 0.99)}
-
-
 def _recorded_outcome(r: RecordedRequest) -> str:
     if r.reject_reason is not None or r.status == "rejected":
         return "rejected"
@@ -120,8 +113,8 @@ def compare(records: Sequence[RecordedRequest], sim: SimResult) -> dict[str, Any
             "rejected_by_reason": dict(sorted(rec_reasons.items())),
             "completed": rec_statuses["completed"],
             "statuses": dict(sorted(rec_statuses.items())),
-            "ttft_s": _percentiles([r.ttft_s for r in records if r.ttft_s is not None]),
-            "tbt_s": _percentiles([r.tbt_s for r in records if r.tbt_s is not None]),
+            "ttft_s": percentiles([r.ttft_s for r in records if r.ttft_s is not None]),
+            "tbt_s": percentiles([r.tbt_s for r in records if r.tbt_s is not None]),
         },
         "counterfactual": {
             "policy": sim.config.policy,
@@ -129,8 +122,8 @@ def compare(records: Sequence[RecordedRequest], sim: SimResult) -> dict[str, Any
             "rejected": sum(sim_reasons.values()),
             "rejected_by_reason": dict(sorted(sim_reasons.items())),
             "completed": len(done),
-            "ttft_s": _percentiles([s.ttft for s in done if s.ttft is not None]),
-            "tbt_s": _percentiles([tbt_score(s.gaps) for s in done]),
+            "ttft_s": percentiles([s.ttft for s in done if s.ttft is not None]),
+            "tbt_s": percentiles([tbt_score(s.gaps) for s in done]),
         },
         "changed": {
             "admitted_now_rejected": flips[(False, True)],

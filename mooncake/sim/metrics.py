@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from mooncake.core.quantile import quantile
 from mooncake.sim.request import SimRequest, tbt_score
 
 TBT_THRESHOLDS_MS = (100, 200, 300)
 
 
 def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return quantile(xs, q) or 0.0
 
 
 def _mean(xs: list[float]) -> float:
