@@ -139,7 +139,9 @@ class Outcome:
     @property
     def rejected_reason(self) -> str | None:
         d = self.decision
-        return str(d.get("reason")) if d and d.get("type") == "request.rejected" else None
+        if not d or d.get("type") != "request.rejected":
+            return None
+        return str(d.get("reason") or "")  # "" for a rejection that gave no reason
 
     @property
     def token_ids(self) -> list[int]:

@@ -14,6 +14,8 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from mooncake.bench.record import TERMINAL
+from mooncake.client import Outcome
 from mooncake.config import Settings
 
 # deploy/nats: the broker configs, and the users auth.conf defines (one per role).
@@ -49,6 +51,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
         MOONCAKE_DATABASE_URL=settings.database_url or "",
         MOONCAKE_NAMESPACE=settings.namespace,
         MOONCAKE_DATA_DIR=str(settings.data_dir),
+        MOONCAKE_ADMISSION_POLICY=settings.admission_policy,
     )
     return env
 
@@ -124,3 +127,49 @@ async def wait_for(
 async def scalar(engine: AsyncEngine, sql: str, **params: object) -> object:
     async with engine.connect() as conn:
         return (await conn.execute(text(sql), params)).scalar_one()
+
+
+# --- judging a run against "nothing lost" ------------------------------------------------------
+
+
+async def endings(db: AsyncEngine, ids: list[str]) -> dict[str, list[str]]:
+    """Each request's terminal events in the record, by type."""
+    async with db.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT request_id, type FROM events WHERE request_id = ANY(:ids) "
+                    "AND type = ANY(:types) ORDER BY stream_seq"
+                ),
+                {"ids": ids, "types": list(TERMINAL)},
+            )
+        ).all()
+    ended: dict[str, list[str]] = {}
+    for rid, type_ in rows:
+        ended.setdefault(rid, []).append(type_)
+    return ended
+
+
+def lost_or_broken(
+    done: list[Outcome], ended: dict[str, list[str]], want: Callable[[str], list[int]]
+) -> list[str]:
+    """What breaks the promise in a replay's outcomes and its record: every request ends
+    exactly once, completed with the engine's own answer (`want`) or rejected with a reason
+    (its client hears that too), never failed, never twice, never not at all."""
+    found = []
+    for out in done:
+        rid = out.request_id
+        types = ended.get(rid, [])
+        if not out.admitted:
+            if not out.rejected_reason:
+                found.append(f"{rid}: rejected without a reason")
+            if types != ["request.rejected"]:
+                found.append(f"{rid}: rejected, but the record ended it {types}")
+            continue
+        if out.finish_reason not in ("stop", "length"):
+            found.append(f"{rid}: ended {out.finish_reason} ({out.error})")
+        elif out.token_ids != want(rid):
+            found.append(f"{rid}: answer differs from the engine's ({sorted(out.tokens)})")
+        if types != ["request.completed"]:
+            found.append(f"{rid}: the record ended it {types}")
+    return found

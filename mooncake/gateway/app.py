@@ -246,7 +246,7 @@ class Call:
         with contextlib.suppress(Exception):
             await self.replies.aclose()  # type: ignore[attr-defined]
         o = self.out
-        if not (self.unsent or o.rejected_reason or o.finish_reason or self.ended):
+        if not (self.unsent or o.rejected_reason is not None or o.finish_reason or self.ended):
             # Over without an end: the timeout; not over: nobody listens any more.
             reason = "timeout" if self.over else "client_disconnected"
             await self.gateway.cancel(self.request_id, reason)

@@ -33,6 +33,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from mooncake import events as ev
+from mooncake.bench.record import TERMINAL
 from mooncake.client import Outcome, ask
 from mooncake.config import Settings
 from mooncake.replay_live import LiveReplayOptions, scaled_request
@@ -40,7 +41,8 @@ from mooncake.services import EmbeddedNats, EmbeddedPostgres, ServiceError
 from mooncake.stack import Stack, WorkerProcess
 from mooncake.trace import TraceRequest
 
-TERMINAL = ("request.completed", "request.failed", "request.cancelled", "request.rejected")
+from helpers import endings
+
 # The streams the recorder turns into `events` (MC_DLQ goes to `dead_letters`).
 RECORDED_STREAMS = ("MC_REQ", "MC_META")
 
@@ -523,12 +525,8 @@ async def terminal_counts(engine: AsyncEngine) -> tuple[set[str], dict[str, int]
 
 
 async def terminal_types(engine: AsyncEngine, ids: list[str]) -> Counter[str]:
-    async with engine.connect() as conn:
-        rows = await conn.execute(
-            text("SELECT type FROM events WHERE request_id = ANY(:ids) AND type = ANY(:t)"),
-            {"ids": ids, "t": list(TERMINAL)},
-        )
-        return Counter(r[0] for r in rows)
+    """The terminal events of `ids` in the record, counted by type."""
+    return Counter(t for types in (await endings(engine, ids)).values() for t in types)
 
 
 async def ended_as(engine: AsyncEngine, ids: list[str], type_: str) -> list[str]:

@@ -29,8 +29,6 @@ from _faults_harness import (
     connect,
     record_vs_streams,
     recorder_caught_up,
-    terminal_counts,
-    terminal_types,
     until,
 )
 from sqlalchemy import text
@@ -45,6 +43,8 @@ from mooncake.engine.sampling import SamplingParams as EngineParams
 from mooncake.model_info import dummy_spec
 from mooncake.services import free_port
 from mooncake.serving.models import build_engine
+
+from helpers import endings, lost_or_broken
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -170,22 +170,15 @@ async def _check(stack: FaultStack, db: Any, nc: Any, ns: ev.Namespace, ids: lis
         rid: generate(reference, [prompt(i)], [EngineParams(max_tokens=MAX_TOKENS)])[0].tokens
         for i, rid in enumerate(ids)
     }
-    wrong = [
-        (o.request_id, o.finish_reason, o.error)
-        for o in outcomes
-        if not o.finished or o.token_ids != expected[o.request_id]
-    ]
-    assert not wrong, f"answers lost or wrong after killing {victim} (held {held}): {wrong}"
 
     async def ended() -> bool:
-        _, counts = await terminal_counts(db)
-        return all(counts.get(r, 0) >= 1 for r in ids)
+        return len(await endings(db, ids)) == len(ids)
 
     assert await until(ended, 60), "not every request ended in the record"
-    _, counts = await terminal_counts(db)
-    assert {r: counts.get(r, 0) for r in ids} == dict.fromkeys(ids, 1)
-    endings = await terminal_types(db, ids)
-    assert endings == {"request.completed": len(ids)}, endings
+    # Nothing rejected either: the pool had room for every one (preemption made it).
+    broken = lost_or_broken(outcomes, await endings(db, ids), expected.__getitem__)
+    broken += [f"{o.request_id}: rejected {o.rejected_reason}" for o in outcomes if not o.admitted]
+    assert not broken, f"answers lost or wrong after killing {victim} (held {held}): {broken}"
 
     lasts = None
 
@@ -217,6 +210,6 @@ async def _check(stack: FaultStack, db: Any, nc: Any, ns: ev.Namespace, ids: lis
     assert not crashed, f"tracebacks in worker logs: {crashed}"
     print(json.dumps({
         "killed": victim, "held_preempted": held, "preempted_events": watch.seen,
-        "requests": len(ids), "completed": endings.get("request.completed", 0),
+        "requests": len(ids), "completed": by_type.get("request.completed", 0),
         "settled_s": round(time.monotonic() - killed_at, 1),
     }))  # fmt: skip

@@ -306,6 +306,38 @@ async def stored_copy(js: JetStreamContext, request_id: str) -> tuple[dict[int, 
     return tokens, done
 
 
+def copy_broken(
+    want: list[int], live: dict[int, int], copy: dict[int, int], done: bool
+) -> list[str]:
+    """What breaks the promise for one request's tokens: a token its client holds live or
+    its copy holds that is not the engine's, a token the copy lacks, a copy without its
+    final chunk."""
+    found = []
+    for what, held in (("live", live), ("copied", copy)):
+        for i, t in sorted(held.items()):
+            if i >= len(want) or want[i] != t:
+                found.append(f"{what} token {i} is {t}, not {want[i] if i < len(want) else '-'}")
+    if lacks := sorted(set(range(len(want))) - set(copy)):
+        found.append(f"the copy lacks tokens {lacks}")
+    if not done:
+        found.append("the copy has no final chunk")
+    return found
+
+
+def test_the_copy_check_goes_red_for_a_dropped_token_and_a_lost_ending() -> None:
+    """The companion of the test below: a whole copy passes, and a token dropped from it,
+    its final chunk lost, or a wrong token (live or copied) each fails it."""
+    want = [5, 9, 2, 7]
+    whole = dict(enumerate(want))
+    assert copy_broken(want, {0: 5, 2: 2}, whole, True) == []
+    assert copy_broken(want, {}, {0: 5, 1: 9, 3: 7}, True) == ["the copy lacks tokens [2]"]
+    assert copy_broken(want, {}, whole, False) == ["the copy has no final chunk"]
+    assert copy_broken(want, {1: 8}, {**whole, 4: 1}, True) == [
+        "live token 1 is 8, not 9",
+        "copied token 4 is 1, not -",
+    ]
+
+
 async def terminal_events(js: JetStreamContext) -> dict[str, list[ev.Event]]:
     """Every request's terminal events, as the durable record (MC_REQ) holds them."""
     ended: dict[str, list[ev.Event]] = {}
@@ -379,15 +411,12 @@ async def test_pipeline_serves_through_losing_a_broker_node(
         # is gone, and the replayable copy (MC_TOKENS) is what a client reads such gaps back
         # from. So every request's copy holds all its tokens and its final chunk, and every
         # token a client holds live is the right one.
-        incomplete = {}
+        broken = {}
         for prompt, out in zip(prompts[3:], rest, strict=True):
-            want = expected(prompt)
-            assert all(want[i] == t for i, t in out.tokens.items()), (out.request_id, out.tokens)
             copy, done = await stored_copy(admin.jetstream(), out.request_id)
-            assert all(want[i] == t for i, t in copy.items()), (out.request_id, copy)
-            if not done or sorted(copy) != list(range(len(want))):
-                incomplete[out.request_id] = (sorted(copy), done)
-        assert not incomplete, (incomplete, {w.name: w.log()[-3000:] for w in workers})
+            if found := copy_broken(expected(prompt), out.tokens, copy, done):
+                broken[out.request_id] = found
+        assert not broken, (broken, {w.name: w.log()[-3000:] for w in workers})
         for w in workers:  # every worker rode through it
             assert w.proc is not None and w.proc.poll() is None, w.log()[-3000:]
     finally:
