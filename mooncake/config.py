@@ -160,6 +160,9 @@ class ConductorSettings(BaseModel):
     balancing_threshold: Annotated[float, Field(ge=1.0)] = 2.0
     # `predicted` admission: the uniform decode time every request is assumed to take.
     uniform_decode_s: Annotated[float, Field(gt=0)] = 10.0
+    # Rejecting policies judge predicted TTFT x this quantile of observed / predicted TTFT
+    # of the latest 64 requests (core/ttft_error.py); None judges the prediction alone.
+    ttft_margin_quantile: Annotated[float | None, Field(gt=0, le=1)] = 0.9
     # Per-client limit on submissions that name a client (`RequestSubmitted.client_id`; the
     # gateway names every HTTP client): a token bucket per client, over the limit rejected
     # with `client_rate_limited`. One Conductor sees every gateway replica's traffic, so

@@ -119,6 +119,11 @@ COST_MODEL_ERROR = Gauge(
     "(prefill: one request; decode: a report's mean step), by stage",
     ["stage"],
 )
+TTFT_MARGIN = Gauge(
+    "mc_conductor_ttft_margin_ratio",
+    "The factor rejecting admission policies judge predicted TTFT by: a quantile of "
+    "observed / predicted TTFT of the latest requests (1 until there are enough)",
+)
 REQUESTS_ENDED_BY_CONDUCTOR = Counter(
     "mc_conductor_terminal_total",
     "Terminal events the Conductor published (failed after retries, cancelled), by type",

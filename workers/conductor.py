@@ -165,6 +165,8 @@ class Conductor:
                     metrics.COST_MODEL_ERROR.labels(stage).set(error)
                 if self._online.refits > refits:
                     metrics.COST_MODEL_REFITS.labels(stage).inc()
+                    if stage == "prefill":  # the queues are the new model's too
+                        self.view.reestimate(self._costs.prefill.prefill_s, self._clock())
         if isinstance(fact, cl.InstanceJoined):
             log.info("%s instance %s joined (node %s)", fact.role, fact.instance, fact.node)
             self.reaper.revived(fact.instance)
@@ -283,9 +285,11 @@ class Conductor:
         if not decision.admitted:
             return (dispatch.rejected_event(request, decision, inputs, why), decision.stage)
         admitted = dispatch.admitted_event(request, decision, inputs)
-        fact = cd.assignment(decision)
+        calibrated = online is None or online.prefill_calibrated
+        fact = cd.assignment(decision, sampled=calibrated)
         if fact is not None:
             self.view.apply(fact, now)
+        metrics.TTFT_MARGIN.set(cd.ttft_margin(self.view, self._cfg))
         self.known.add(request.request_id, Known(request.reply_to, admitted.event_id))
         work = dispatch.prefill_work(request, decision, tokens, admitted.event_id, s.block_tokens)
         return (admitted, work)

@@ -50,22 +50,23 @@ def decide(
     choice = cd.choose(view, req, cfg, costs, now)
     if choice is None:
         return cd.no_instance(req, policy, cfg, now)
+    if policy == "none":
+        return cd.decision_from(choice, policy, None, cfg)
+    # Every rejecting policy judges TTFT with the margin the latest misses call for.
+    m = cd.ttft_margin(view, cfg)
     match policy:
-        case "none":
-            return cd.decision_from(choice, policy, None, cfg)
         case "baseline":
             verdict = prefill_stage_check(
                 view, choice.prefill.id, req.prompt_tokens, choice.prefix_tokens,
-                choice.transfer_s, cfg, costs, now,
+                choice.transfer_s, cfg, costs, now, margin=m,
             )  # fmt: skip
-            return cd.decision_from(choice, policy, verdict.reason, cfg, stage="prefill")
+            return cd.decision_from(choice, policy, verdict.reason, cfg, stage="prefill", margin=m)
         case "early":
-            reason = cd.slo_reason(choice.ttft_s, choice.tbt_s, cfg)
-            return cd.decision_from(choice, policy, reason, cfg)
+            return cd.slo_decision(choice, view, cfg, policy)
         case "predicted":
-            return _predicted(choice, view, cfg, costs)
+            return _predicted(choice, view, cfg, costs, m)
         case "forecast":
-            return _forecast(choice, view, cfg, costs)
+            return _forecast(choice, view, cfg, costs, m)
     raise ValueError(f"unknown admission policy {policy!r}")
 
 
@@ -106,7 +107,7 @@ def predicted_decode_load(
 
 
 def _predicted(
-    choice: cd.Choice, view: ClusterView, cfg: cd.ConductorConfig, costs: Costs
+    choice: cd.Choice, view: ClusterView, cfg: cd.ConductorConfig, costs: Costs, margin: float
 ) -> cd.Decision:
     at = choice.now + choice.ttft_s
     joining = (choice.decode.id, choice.request.prompt_tokens)
@@ -118,7 +119,7 @@ def _predicted(
         ("tbt_mean_at", mean),
         *((f"tbt_at:{k}", v) for k, v in sorted(per_instance.items())),
     )
-    return _judged_at(choice, "predicted", tbt, cfg, extra)
+    return _judged_at(choice, "predicted", tbt, cfg, extra, margin)
 
 
 def _judged_at(
@@ -127,16 +128,19 @@ def _judged_at(
     tbt: float,
     cfg: cd.ConductorConfig,
     extra: tuple[tuple[str, float], ...],
+    margin: float,
 ) -> cd.Decision:
-    """A prediction-based policy's verdict: the TTFT against its SLO, then the decode load
-    it predicted at the end of this request's prefill (`tbt`) against 1."""
+    """A prediction-based policy's verdict: the TTFT (x `margin`) against its SLO, then the
+    decode load it predicted at the end of this request's prefill (`tbt`) against 1."""
     load = tbt / cfg.tbt_slo_s
     reason = None
-    if choice.ttft_s > cfg.ttft_slo_s:
+    if choice.ttft_s * margin > cfg.ttft_slo_s:
         reason = RejectReason.TTFT_SLO
     elif load > 1.0:
         reason = RejectReason.DECODE_OVERLOADED
-    return cd.decision_from(choice, policy, reason, cfg, tbt_s=tbt, decode_load=load, extra=extra)
+    return cd.decision_from(
+        choice, policy, reason, cfg, tbt_s=tbt, decode_load=load, extra=extra, margin=margin
+    )
 
 
 # --- forecast: ours, request-level ---------------------------------------------------------------
@@ -179,7 +183,7 @@ def forecast_decode_batches(
 
 
 def _forecast(
-    choice: cd.Choice, view: ClusterView, cfg: cd.ConductorConfig, costs: Costs
+    choice: cd.Choice, view: ClusterView, cfg: cd.ConductorConfig, costs: Costs, margin: float
 ) -> cd.Decision:
     """Admit if the TTFT fits and the chosen decode instance's batch when this request's
     prefill ends, with this request in it, keeps its predicted TBT under the SLO. Its own
@@ -189,7 +193,7 @@ def _forecast(
     b, c = batches.get(choice.decode.id, (0, 0))
     tbt = cd.batch_tbt_s(view, costs, b + 1, c + choice.request.prompt_tokens)
     extra = (("predicted_at", at), ("batch_at", float(b + 1)))
-    return _judged_at(choice, "forecast", tbt, cfg, extra)
+    return _judged_at(choice, "forecast", tbt, cfg, extra, margin)
 
 
 # --- while the cost model is calibrating ----------------------------------------------------------
@@ -232,15 +236,15 @@ class StageVerdict:
 
 def prefill_stage_check(
     view: ClusterView, instance: str, prompt_tokens: int, cached_tokens: int,
-    transfer_s: float, cfg: cd.ConductorConfig, costs: Costs, now: float,
+    transfer_s: float, cfg: cd.ConductorConfig, costs: Costs, now: float, margin: float = 1.0,
 ) -> StageVerdict:  # fmt: skip
     """The prefill instance's check when the request reaches it: the prefix fetch, its queue
-    and this prefill, against the TTFT limit."""
+    and this prefill (x `margin`, `conductor.ttft_margin`), against the TTFT limit."""
     p = view.prefill.get(instance)
     if p is None:
         return StageVerdict(False, float("inf"), float("inf"), RejectReason.NO_INSTANCE)
     ttft = transfer_s + p.queue_s(now) + costs.prefill.prefill_s(prompt_tokens, cached_tokens)
-    load = ttft / cfg.ttft_slo_s
+    load = ttft * margin / cfg.ttft_slo_s
     reason = RejectReason.PREFILL_OVERLOADED if load > 1.0 else None
     return StageVerdict(reason is None, load, ttft, reason)
 

@@ -21,12 +21,13 @@ would be O(N)); the facts are frozen values, and readers get plain values back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from mooncake.core.block_index import BlockIndex
 from mooncake.core.decode_forecast import FinishedDecodes
+from mooncake.core.ttft_error import TtftErrors
 
 # --- facts (what the worker derives from bus events; what the simulator emits) ----------------
 
@@ -56,6 +57,10 @@ class Assigned:
     prompt_tokens: int
     predicted_prefill_s: float
     predicted_ttft_s: float
+    cached_tokens: int = 0  # the prefix it reuses (what its prefill is predicted from)
+    # Whether its TTFT is a sample of the cost model's error (`ttft_errors`): not while
+    # the model rests on no measurement of the serving engine.
+    sampled: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +222,10 @@ class Inflight:
     prefill_done_at: float  # predicted until PrefillFinished, then actual
     phase: Literal["queued", "prefilling", "prefilled", "decoding"] = "queued"
     decode_started_at: float | None = None
+    cached_tokens: int = 0
+    admitted_at: float = 0.0
+    predicted_ttft_s: float = 0.0  # at admission (the error sample's denominator)
+    sampled: bool = True
 
 
 class ClusterView:
@@ -230,6 +239,8 @@ class ClusterView:
         self.inflight: dict[str, Inflight] = {}
         # The latest finished requests' outputs and decode times (core/decode_forecast.py).
         self.finished = FinishedDecodes()
+        # Observed / predicted TTFT of the latest prefills (core/ttft_error.py).
+        self.ttft_errors = TtftErrors()
         # Sorted ids: iteration (and so tie-breaking) does not depend on join order.
         self.prefill_order: tuple[PrefillInstance, ...] = ()
         self.decode_order: tuple[DecodeInstance, ...] = ()
@@ -335,6 +346,10 @@ class ClusterView:
             f.prompt_tokens,
             f.predicted_prefill_s,
             now + f.predicted_ttft_s,
+            cached_tokens=f.cached_tokens,
+            admitted_at=now,
+            predicted_ttft_s=f.predicted_ttft_s,
+            sampled=f.sampled,
         )
 
     def _dequeue(self, r: Inflight) -> PrefillInstance | None:
@@ -366,6 +381,35 @@ class ClusterView:
             return
         self._end_prefill(r)
         r.phase, r.prefill_done_at = "prefilled", now
+        if r.sampled:
+            self.ttft_errors.add(now - r.admitted_at, r.predicted_ttft_s)
+
+    def reestimate(self, prefill_s: Callable[[int, int], float], now: float) -> None:
+        """The cost model changed: predict every queued and running prefill again with
+        `prefill_s(prompt, cached)`, so the queue a new request waits behind is the new
+        model's, not the sum of whatever each queued request was admitted with. A queued
+        request's predicted prefill end moves by the change of everything ahead of it on
+        its instance and of its own prefill (the queue is FCFS)."""
+        for p in self.prefill_order:
+            shift = 0.0
+            if p.running is not None and (r := self.inflight.get(p.running)) is not None:
+                new = prefill_s(r.context_tokens, r.cached_tokens)
+                shift = new - r.predicted_prefill_s
+                r.predicted_prefill_s = new
+                p.running_ends_at += shift
+                r.prefill_done_at = p.running_ends_at
+            total = 0.0
+            for rid in p.queued:
+                q = self.inflight.get(rid)
+                if q is None:
+                    total += p.queued[rid]
+                    continue
+                new = prefill_s(q.context_tokens, q.cached_tokens)
+                shift += new - q.predicted_prefill_s
+                q.predicted_prefill_s = p.queued[rid] = new
+                q.prefill_done_at = max(q.prefill_done_at + shift, now)
+                total += new
+            p.queued_s = total
 
     def _decode_started(self, rid: str, now: float) -> None:
         r = self.inflight.get(rid)

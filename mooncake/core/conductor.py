@@ -80,6 +80,9 @@ class ConductorConfig:
     tbt_slo_s: float = 0.1
     # `predicted` admission: the uniform decode time t_d every request is assumed to take.
     uniform_decode_s: float = 10.0
+    # Rejecting policies judge predicted TTFT x this quantile of observed / predicted TTFT
+    # of the latest requests (core/ttft_error.py); None judges the prediction as it is.
+    ttft_margin_quantile: float | None = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,11 +323,16 @@ def decision_from(
     decode_load: float | None = None,
     stage: str = "admission",
     extra: tuple[tuple[str, float], ...] = (),
+    margin: float = 1.0,
 ) -> Decision:
     """A Decision carrying every input of `choice`; `tbt_s` / `decode_load` override the
-    arrival-time decode prediction for policies that predict it differently."""
+    arrival-time decode prediction for policies that predict it differently. `margin`: the
+    factor the policy judged the predicted TTFT by (`ttft_margin`): the prefill load is
+    the judged TTFT's, the predicted TTFT stays the model's."""
     c = choice
     tbt = c.tbt_s if tbt_s is None else tbt_s
+    if margin != 1.0:
+        extra = (*extra, ("ttft_margin", margin))
     return Decision(
         request_id=c.request.request_id,
         policy=policy,
@@ -344,7 +352,7 @@ def decision_from(
         prefill_s=c.prefill_s,
         predicted_ttft_s=c.ttft_s,
         predicted_tbt_s=tbt,
-        prefill_load=c.ttft_s / cfg.ttft_slo_s,
+        prefill_load=c.ttft_s * margin / cfg.ttft_slo_s,
         decode_load=tbt / cfg.tbt_slo_s if decode_load is None else decode_load,
         copy=c.copy,
         config=cfg,
@@ -374,6 +382,13 @@ def rejection_detail(d: Decision) -> str:
     match d.reason:
         case RejectReason.NO_INSTANCE:
             return f"no live instance pair can take a prompt of {d.prompt_tokens:,} tokens"
+        case RejectReason.TTFT_SLO if (m := dict(d.extra).get("ttft_margin")) is not None:
+            judged = (d.predicted_ttft_s or 0.0) * m
+            return (
+                f"predicted TTFT {ttft} ({ttft_parts}) x {m:.2f} (how far the latest TTFTs "
+                f"missed their predictions, p{round(100 * (cfg.ttft_margin_quantile or 0))}) "
+                f"= {judged:.2f} s is over the SLO of {ttft_slo}"
+            )
         case RejectReason.TTFT_SLO:
             return f"predicted TTFT {ttft} ({ttft_parts}) is over the SLO of {ttft_slo}"
         case RejectReason.TBT_SLO:
@@ -419,11 +434,26 @@ def decide(
     choice = choose(view, req, cfg, costs, now)
     if choice is None:
         return no_instance(req, policy, cfg, now)
-    return decision_from(choice, policy, slo_reason(choice.ttft_s, choice.tbt_s, cfg), cfg)
+    return slo_decision(choice, view, cfg, policy)
 
 
-def assignment(decision: Decision) -> Assigned | None:
-    """The queue-time update after an assignment, as a fact for `ClusterView.apply`."""
+def slo_decision(choice: Choice, view: ClusterView, cfg: ConductorConfig, policy: str) -> Decision:
+    """Algorithm 1's SLO check of `choice`: TTFT (x `ttft_margin`) and TBT against their
+    limits."""
+    m = ttft_margin(view, cfg)
+    reason = slo_reason(choice.ttft_s * m, choice.tbt_s, cfg)
+    return decision_from(choice, policy, reason, cfg, margin=m)
+
+
+def ttft_margin(view: ClusterView, cfg: ConductorConfig) -> float:
+    """The factor a rejecting policy judges predicted TTFT by (core/ttft_error.py)."""
+    q = cfg.ttft_margin_quantile
+    return 1.0 if q is None else view.ttft_errors.margin(q)
+
+
+def assignment(decision: Decision, *, sampled: bool = True) -> Assigned | None:
+    """The queue-time update after an assignment, as a fact for `ClusterView.apply`;
+    `sampled`: whether its TTFT is a sample of the cost model's error (`Assigned`)."""
     if not decision.admitted or decision.prefill_instance is None:
         return None
     assert decision.decode_instance is not None and decision.predicted_ttft_s is not None
@@ -434,4 +464,6 @@ def assignment(decision: Decision) -> Assigned | None:
         decision.prompt_tokens,
         decision.prefill_s,
         decision.predicted_ttft_s,
+        cached_tokens=decision.prefix_tokens,
+        sampled=sampled,
     )

@@ -41,6 +41,7 @@ def conductor_config(settings: Settings) -> ConductorConfig:
         ttft_slo_s=settings.slo.ttft_s,
         tbt_slo_s=settings.slo.tbt_s,
         uniform_decode_s=c.uniform_decode_s,
+        ttft_margin_quantile=c.ttft_margin_quantile,
     )
 
 
