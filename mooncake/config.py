@@ -246,12 +246,15 @@ class Settings(BaseSettings):
     store: StoreSettings = StoreSettings()
     engine: EngineSettings = EngineSettings()
 
-    # Admission policy (PAPER.md §5). "none" by default: rejecting is only as good as the
-    # cost model, and the analytic reference model (LLaMA3-70B on 8xA800) does not describe
-    # the machine a default install runs on. Run "predicted" (what Mooncake runs) together
-    # with `conductor.cost_profile` from `mooncake profile engine` on the serving hardware;
-    # "forecast" is ours (core/admission.py): the paper's prediction without its uniform t_d.
-    admission_policy: Literal["none", "baseline", "early", "predicted", "forecast"] = "none"
+    # Admission policy (PAPER.md §5). "early" by default: Algorithm 1's SLO check on arrival,
+    # on a cost model that anchors on the workers' timings of their engines and refits to
+    # what the running system reports (core/online_cost.py), judging TTFT with the margin the
+    # latest predictions missed by (core/ttft_error.py). Measured with `bench memory` on
+    # this 2-core machine: every completed request within both SLOs in 5 runs of 5 (speed 5
+    # and 20), where "none" queued the burst for tens of minutes (goodput 0; BENCHMARKS.md).
+    # "predicted" is what Mooncake runs; "forecast" is ours (core/admission.py): the paper's
+    # prediction without its uniform t_d; "none" admits whatever an instance can take.
+    admission_policy: Literal["none", "baseline", "early", "predicted", "forecast"] = "early"
     conductor: ConductorSettings = ConductorSettings()
     gateway: GatewaySettings = GatewaySettings()
 

@@ -191,7 +191,7 @@ def bench_memory(
         str | None,
         typer.Option(
             help="The Conductor's policy: none | baseline | early | predicted | forecast "
-            "(default: MOONCAKE_ADMISSION_POLICY, else none)"
+            "(default: MOONCAKE_ADMISSION_POLICY, else early)"
         ),
     ] = None,
     cost_profile: Annotated[

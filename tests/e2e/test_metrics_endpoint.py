@@ -140,7 +140,7 @@ async def test_conductor_metrics_and_clean_shutdown(tmp_path: Path) -> None:
         expected = {
             ("mc_bus_messages_total", (("consumer", "conductor"), ("outcome", "ack"))): 2.0,
             ("mc_bus_messages_total", (("consumer", "conductor"), ("outcome", "dead_letter"))): 1.0,
-            ("mc_requests_admitted_total", (("policy", "none"),)): 1.0,
+            ("mc_requests_admitted_total", (("policy", "early"),)): 1.0,  # the default
             (
                 "mc_requests_rejected_total",
                 (("stage", "ingress"), ("reason", "invalid_request")),

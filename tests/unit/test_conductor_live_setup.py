@@ -38,8 +38,9 @@ def test_settings_map_onto_the_core_config() -> None:
     )
 
 
-def test_policies_and_knobs_are_validated() -> None:
-    assert Settings().admission_policy == "none"
+def test_policies_and_knobs_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_ADMISSION_POLICY", raising=False)  # conftest pins "none"
+    assert Settings().admission_policy == "early"
     for p in ("none", "baseline", "early", "predicted"):
         assert Settings(admission_policy=p).admission_policy == p
     with pytest.raises(ValidationError):
