@@ -113,8 +113,9 @@ class EngineSettings(BaseModel):
     # (the file's values, multiplied in float32: ~6x fewer bytes read per decode step);
     # float32: every weight dequantized on load (the reference; what other devices use).
     weights: Literal["quantized", "float32"] = "quantized"
-    # fused: each decoder layer of a decode step in one native call where the weights are
-    # quantized on the CPU (engine.fused); eager: the model's forward, op by op (same math).
+    # fused: the device's fastest decode step: each decoder layer in one native call where
+    # the weights are quantized on the CPU (engine.fused), replayed CUDA graphs per batch
+    # bucket on a GPU (engine.graphs); eager: the model's forward, op by op (same math).
     decode: Literal["fused", "eager"] = "fused"
     dummy: DummyModel = DummyModel()
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV

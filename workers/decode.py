@@ -41,7 +41,7 @@ from mooncake.serving.decode_loop import DecodeLoop
 from mooncake.serving.ending import Ender
 from mooncake.serving.engine_tier import EngineTier
 from mooncake.serving.local_store import LocalStore, cluster_secret, local_store
-from mooncake.serving.models import build_engine, calibrate_engine
+from mooncake.serving.models import build_engine, calibrate_engine, warm_decode
 from mooncake.serving.streaming import TextDeltas, TokenStreamer
 from mooncake.telemetry import extract_context, tracer
 from mooncake.work import (
@@ -287,6 +287,7 @@ class DecodeWorker:
 async def run(ctx: WorkerContext, engine: Engine | None = None) -> None:
     if engine is None:
         engine = await asyncio.to_thread(build_engine, ctx.settings)
+    await asyncio.to_thread(warm_decode, engine, ctx.settings.engine.max_batch)
     bucket = await terminal.open_bucket(ctx.js, ctx.ns, ctx.settings.bus.replicas)
     async with local_store(ctx.nc, ctx.settings, node_id=ctx.instance_id) as store:
         await DecodeWorker(ctx, engine, store, bucket).run()

@@ -50,7 +50,10 @@ from typing import Any, Literal
 import torch
 
 from mooncake.engine import DecodeBatch, Engine, SamplingParams
+from mooncake.engine.dummy import SHAPES, dummy_model
 from mooncake.engine.gguf_loader import load_gguf, smollm2_path
+from mooncake.engine.hf_loader import hf_name
+from mooncake.engine.model import Decoder
 from mooncake.trace import block_tokens
 
 Log = Callable[[str], None]
@@ -171,10 +174,11 @@ def _bench_llamacpp(
 def _bench_eager(
     engine: Engine, tokens: int, prompt_len: int, reps: int, log: Log
 ) -> dict[str, object]:
-    """The fused decode step against the model's forward op by op (same weights)."""
-    dev = torch.device("cpu")
+    """The engine's decode step (fused on the CPU, CUDA graphs on a GPU) against the model's
+    forward op by op (same weights)."""
+    dev, path = engine.device, engine.decode_path
     eager = Engine(engine.model, engine.tokenizer, block_tokens=PREFIX_BLOCK, decode="eager")
-    log(f"decode of {tokens} tokens, batch 1 and 8, fused and eager steps")
+    log(f"decode of {tokens} tokens, batch 1 and 8, {path} and eager steps")
     p1 = _prompt(prompt_len, engine.spec.vocab_size, 2)
     _, t_eager, ratio = _paired(
         _engine_decode(engine, [p1], tokens, dev), _engine_decode(eager, [p1], tokens, dev), reps
@@ -185,9 +189,9 @@ def _bench_eager(
     )
     return {
         "eager_decode_tok_s_b1": round(tokens / t_eager, 1),
-        "fused_over_eager_b1": round(ratio, 3),
+        f"{path}_over_eager_b1": round(ratio, 3),
         "eager_decode_tok_s_b8": round(8 * tokens / t_eager8, 1),
-        "fused_over_eager_b8": round(ratio8, 3),
+        f"{path}_over_eager_b8": round(ratio8, 3),
     }
 
 
@@ -223,6 +227,44 @@ def _load_reference(device: torch.device) -> Any:
         path.parent, gguf_file=path.name, dtype=torch.float32
     )
     return model.to(device).eval()
+
+
+def _shape_reference(model: Decoder) -> Any:
+    """transformers' LlamaForCausalLM of the engine model's shape holding its very weights
+    (random: `--shape`), in its dtype on its device, default (SDPA) attention."""
+    import transformers
+
+    s = model.spec
+    cfg = transformers.LlamaConfig(
+        vocab_size=s.vocab_size, hidden_size=s.hidden, intermediate_size=s.ffn,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+        max_position_embeddings=s.context, rms_norm_eps=s.rms_eps,
+        tie_word_embeddings=s.tied_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_base},
+    )  # fmt: skip
+    with torch.device(model.device):
+        ref: Any = transformers.LlamaForCausalLM(cfg)
+    ref = ref.to(model.dtype)
+    weights = {hf_name(k): v for k, v in model.state_dict().items() if k.endswith(".weight")}
+    missing, unexpected = ref.load_state_dict(weights, strict=False)
+    left = [k for k in missing if not (s.tied_embeddings and k == "lm_head.weight")]
+    if left or unexpected:
+        raise RuntimeError(f"reference weights: missing {left[:3]}, unexpected {unexpected[:3]}")
+    if s.tied_embeddings:
+        ref.tie_weights()
+    return ref.eval()
+
+
+def _copy_bandwidth(dev: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + written), the memory ceiling a
+    batch-1 decode step streams the weights against."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = _timed(lambda: [dst.copy_(src) for _ in range(10)], dev)
+    return 2 * n * 10 / t
 
 
 def _engine_decode(
@@ -342,6 +384,16 @@ def _bench_prefix(engine: Engine, reps: int, dev: torch.device, log: Log) -> dic
     }
 
 
+def _shape_engine(shape: str, dev: torch.device, log: Log) -> tuple[Engine, Any, str]:
+    """Random weights of a model shape (bfloat16 on CUDA, float32 elsewhere) and the
+    transformers reference holding the same weights."""
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    log(f"random {shape} weights ({dtype}) on {dev}, and the transformers reference")
+    model = dummy_model(SHAPES[shape], device=dev, dtype=dtype, on_device=dev.type == "cuda")
+    ref = _shape_reference(model)
+    return Engine(model, None, block_tokens=PREFIX_BLOCK), ref, f"{shape} (random weights)"
+
+
 def run_engine_bench(
     *,
     prefill_tokens: int = 512,
@@ -351,23 +403,28 @@ def run_engine_bench(
     threads: int | None = None,
     device: str = "cpu",
     weights: Literal["quantized", "float32"] = "quantized",
+    shape: str | None = None,
     log: Log = lambda _: None,
 ) -> dict[str, object]:
     if threads is not None:
         torch.set_num_threads(threads)
     dev = torch.device(device)
-    log("loading SmolLM2 (engine) and the transformers reference from the same GGUF")
-    loaded = load_gguf(smollm2_path(), device=dev, weights=weights)
-    loaded.model.pack_weights()  # as a serving worker holds them
-    engine = Engine(loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK)
-    ref = _load_reference(dev)
-    quantized = bool(loaded.model.quantized())
+    if shape is not None:
+        engine, ref, name = _shape_engine(shape, dev, log)
+    else:
+        log("loading SmolLM2 (engine) and the transformers reference from the same GGUF")
+        loaded = load_gguf(smollm2_path(), device=dev, weights=weights)
+        loaded.model.pack_weights()  # as a serving worker holds them
+        engine = Engine(loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK)
+        ref, name = _load_reference(dev), loaded.name
+    model = engine.model
+    quantized = bool(model.quantized())
     decode = _bench_decode(engine, ref, decode_tokens, decode_prompt, reps, dev, log)
     result: dict[str, object] = {
-        "model": loaded.name,
-        "device": str(dev),
-        "weights": "quantized" if quantized else "float32",
-        "weights_mb": round(loaded.model.weight_bytes() / 2**20, 1),
+        "model": name,
+        "device": str(dev) if dev.type != "cuda" else f"{dev} ({torch.cuda.get_device_name(dev)})",
+        "weights": "quantized" if quantized else str(model.dtype).removeprefix("torch."),
+        "weights_mb": round(model.weight_bytes() / 2**20, 1),
         "decode_path": engine.decode_path,
         "torch_threads": torch.get_num_threads(),
         "reps": reps,
@@ -376,16 +433,25 @@ def run_engine_bench(
         **_bench_prefix(engine, reps, dev, log),
     }
     del ref
-    if engine.fused is not None:
+    if engine.decode_path != "eager":
         result |= _bench_eager(engine, decode_tokens, decode_prompt, reps, log)
     if quantized:
         result |= _bench_float32(engine, decode_tokens, decode_prompt, reps, log)
-    llm = (
-        _load_llamacpp(torch.get_num_threads(), engine.spec.context) if dev.type == "cpu" else None
-    )
-    if llm is None:
+    if dev.type == "cuda":  # batch-1 decode streams every weight once a step
+        bw = _copy_bandwidth(dev)
+        limit = bw / model.weight_bytes()
+        b1 = decode["decode_tok_s_b1"]
+        assert isinstance(b1, float)
+        result |= {
+            "copy_gb_s": round(bw / 1e9, 1),
+            "bandwidth_limit_tok_s_b1": round(limit, 1),
+            "decode_b1_of_bandwidth_limit": round(b1 / limit, 3),
+        }
+    cpu_gguf = dev.type == "cpu" and shape is None
+    llm = _load_llamacpp(torch.get_num_threads(), engine.spec.context) if cpu_gguf else None
+    if llm is None and cpu_gguf:
         log("llama-cpp-python is not installed (pip install '.[anchors]'): no llama.cpp fields")
-    else:
+    elif llm is not None:
         b8 = decode["decode_tok_s_b8"]
         assert isinstance(b8, float)
         result |= _bench_llamacpp(engine, llm, prefill_tokens, decode_tokens, b8, reps, log)

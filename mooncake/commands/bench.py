@@ -146,14 +146,24 @@ def bench_engine(
     weights: Annotated[
         str, typer.Option(help="quantized (the GGUF's blocks, as served) or float32")
     ] = "quantized",
+    shape: Annotated[
+        str | None,
+        typer.Option(
+            help="Random weights of a model shape instead of the GGUF: smollm2-135m | "
+            "llama-1b | llama-8b (bfloat16 on CUDA, float32 on the CPU)"
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """SmolLM2 prefill/decode speed vs transformers' LlamaForCausalLM (and llama.cpp where
     installed), batch-8 decode, and the prefill speedup of a cached prefix."""
     from mooncake.bench.engine import run_engine_bench
+    from mooncake.engine.dummy import SHAPES
 
     if weights not in ("quantized", "float32"):
         raise typer.BadParameter("quantized or float32", param_hint="--weights")
+    if shape is not None and shape not in SHAPES:
+        raise typer.BadParameter(" | ".join(SHAPES), param_hint="--shape")
     result = run_engine_bench(
         prefill_tokens=prefill_tokens,
         decode_tokens=decode_tokens,
@@ -161,6 +171,7 @@ def bench_engine(
         threads=threads,
         device=device,
         weights="quantized" if weights == "quantized" else "float32",
+        shape=shape,
         log=err.print,
     )
     print_result("bench engine", result, as_json)

@@ -139,14 +139,17 @@ class DecodeBatch:
         seqs = self._make_room()
         if not seqs:
             return []
-        device = self.engine.device
-        ids = torch.tensor([[s.output[-1]] for s in seqs], device=device)
-        backend = PagedDecode(self.pool, [s.kv for s in seqs])
-        fused = self.engine.fused
-        if fused is not None:
-            logits = fused(ids, backend)
+        graphs, kvs = self.engine.graphs, [s.kv for s in seqs]
+        if graphs is not None and graphs.applies(len(seqs), max(len(kv.pages) for kv in kvs)):
+            logits = graphs([s.output[-1] for s in seqs], kvs)
         else:
-            logits = self.engine.model(ids, backend.positions[:, None], backend)
+            ids = torch.tensor([[s.output[-1]] for s in seqs], device=self.engine.device)
+            backend = PagedDecode(self.pool, kvs)
+            fused = self.engine.fused
+            if fused is not None:
+                logits = fused(ids, backend)
+            else:
+                logits = self.engine.model(ids, backend.positions[:, None], backend)
         for s in seqs:
             s.kv.length += 1
         # Greedy rows (the common case) take their token from one argmax over the batch.

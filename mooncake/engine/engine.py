@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mooncake.engine.errors import EngineError
 from mooncake.engine.fused import FusedDecode
+from mooncake.engine.graphs import GraphDecode
 from mooncake.engine.kv import BlockLayout
 from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks
 from mooncake.engine.paged import PagedPrefill
@@ -78,13 +79,20 @@ class Engine:
             budget_bytes=budget,
             page_tokens=page_tokens_for(block_tokens),
         )
-        # A decode step's layers in one native call each where that applies (engine.fused).
-        self.fused = FusedDecode.of(model, self.pool) if decode == "fused" else None
+        # The fastest decode step the device has, unless "eager" is asked for: each layer in
+        # one native call on the CPU (engine.fused), replayed CUDA graphs on a GPU
+        # (engine.graphs).
+        fast = decode == "fused"
+        self.fused = FusedDecode.of(model, self.pool) if fast else None
+        self.graphs = GraphDecode.of(model, self.pool) if fast else None
 
     @property
     def decode_path(self) -> str:
-        """How decode steps run: "fused" (engine.fused) or "eager" (the model's forward)."""
-        return "fused" if self.fused is not None else "eager"
+        """How decode steps run: "fused" (engine.fused), "graphs" (engine.graphs) or "eager"
+        (the model's forward op by op)."""
+        if self.fused is not None:
+            return "fused"
+        return "graphs" if self.graphs is not None else "eager"
 
     @property
     def device(self) -> torch.device:

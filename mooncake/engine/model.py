@@ -101,6 +101,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def causal_suffix_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The last S of T positions (q [B, heads, S, D]) attending causally to all T keys
+    (k, v [B, kv_heads, T, D]): position T-S+i sees keys 0..T-S+i. No mask is made: the
+    causal bias aligned to the bottom right (`causal_lower_right`) lets CUDA's fused kernels
+    skip the masked part, as plain causal attention does (a cached prefix's prefill)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(q.shape[2], k.shape[2])
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
+
+
 # The block's GEMMs and the projections each is made of (q, k, v and gate, up share inputs).
 GEMMS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 

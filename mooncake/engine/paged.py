@@ -4,7 +4,8 @@
   written into the sequence's pages; with nothing cached the attention is the fused causal
   kernel over the new tokens themselves (no pool read), otherwise the cached positions are
   read out of their pages once per layer and the new tokens attend to them and to
-  themselves.
+  themselves (on CUDA through the fused causal kernel aligned to the bottom right, no mask;
+  on the CPU with a mask per run of rows).
 - `PagedDecode`: one new token per sequence for a whole batch. The new k, v go into each
   sequence's next page slot, then attention reads every sequence's pages through its block
   table: by the native kernel (engine.native) on the CPU in float32, else by gathering the
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from mooncake.engine import native
-from mooncake.engine.model import attention
+from mooncake.engine.model import attention, causal_suffix_attention
 from mooncake.engine.pool import KVPool, PagedKV
 
 # A prefill over a cached prefix attends in runs of this many query rows: the kernel makes a
@@ -43,6 +44,8 @@ class PagedPrefill:
         keys, values = pk.to(k.dtype)[None], pv.to(v.dtype)[None]
         if last_only:
             return attention(q, keys, values, None, causal=False)
+        if q.device.type == "cuda":  # a fused causal kernel, no mask (model.causal_suffix_...)
+            return causal_suffix_attention(q, keys, values)
         return self._over_prefix(q, keys, values)
 
     def _over_prefix(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
@@ -68,20 +71,31 @@ class PagedDecode:
     for its new token at position `kv.length`)."""
 
     def __init__(self, pool: KVPool, kvs: Sequence[PagedKV]) -> None:
-        self.pool = pool
-        dev, p = pool.device, pool.page_tokens
-        lengths = [kv.length for kv in kvs]
-        self.positions = torch.tensor(lengths, device=dev)
         widest = max(len(kv.pages) for kv in kvs)
         table = torch.zeros((len(kvs), widest), dtype=torch.int32)
         for i, kv in enumerate(kvs):
             table[i, : len(kv.pages)] = torch.tensor(kv.pages, dtype=torch.int32)
-        self.table = table.to(dev)
-        rows = torch.arange(len(kvs), device=dev)
-        long_table = self.table.long()
-        self.page = long_table[rows, self.positions // p]
-        self.offset = self.positions % p
-        self.lens = (self.positions + 1).to(torch.int32)
+        lengths = torch.tensor([kv.length for kv in kvs])
+        self._setup(pool, lengths.to(pool.device), table.to(pool.device))
+
+    @classmethod
+    def of_tensors(cls, pool: KVPool, positions: Tensor, table: Tensor) -> PagedDecode:
+        """The same step from tensors already on the pool's device: each row's new position
+        and its block table (int32, padded with any page: past a row's length nothing is
+        read). Only tensor ops from here on (no host sync): a CUDA graph can record it."""
+        self = cls.__new__(cls)
+        self._setup(pool, positions, table)
+        return self
+
+    def _setup(self, pool: KVPool, positions: Tensor, table: Tensor) -> None:
+        self.pool = pool
+        dev, p = pool.device, pool.page_tokens
+        self.positions, self.table = positions, table
+        rows = torch.arange(table.shape[0], device=dev)
+        long_table = table.long()
+        self.page = long_table[rows, positions // p]
+        self.offset = positions % p
+        self.lens = (positions + 1).to(torch.int32)
         self.kernel = None
         if dev.type == "cpu" and pool.dtype == torch.float32:
             self.kernel = native.load(pool.shape.head_dim, p)

@@ -59,6 +59,18 @@ def build_engine(settings: Settings) -> Engine:
     return engine
 
 
+def warm_decode(engine: Engine, max_batch: int) -> int:
+    """On a GPU, capture the decode step of every batch bucket up to `max_batch` now (at the
+    narrowest block-table width), so the first requests do not wait for captures; wider
+    tables are captured when first met. Returns how many were captured (0 off CUDA)."""
+    if engine.graphs is None:
+        return 0
+    from mooncake.engine.graphs import BATCH_BUCKETS, MIN_WIDTH
+
+    sizes = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+    return engine.graphs.warm(sizes, pages=MIN_WIDTH, say=log.info)
+
+
 def weights_bytes(engine: Engine) -> int:
     """What the model's weights occupy (on the CPU: the packed copies, the embedding)."""
     return engine.model.weight_bytes()
