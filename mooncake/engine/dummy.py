@@ -3,6 +3,8 @@ and the shapes of the models `bench engine --shape` runs without a model file.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mooncake.engine.model import Decoder
@@ -47,21 +49,21 @@ def dummy_model(
         g = torch.Generator(device=dev).manual_seed(seed)
         with torch.device(dev):
             model = Decoder(spec)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, std, generator=g)
+        _fill(model, lambda p: p.normal_(0.0, std, generator=g))
     else:
         g = torch.Generator().manual_seed(seed)
         model = Decoder(spec)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        _fill(model, lambda p: p.copy_(torch.randn(p.shape, generator=g) * std))
     model = model.to(device=dev, dtype=dtype).eval()
     model.rope_freq_factors = model.rope_freq_factors.float()
     return model
+
+
+def _fill(model: Decoder, draw: Callable[[torch.Tensor], object]) -> None:
+    """Unit norms; every other parameter drawn by `draw`, in the model's parameter order."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                draw(p)
