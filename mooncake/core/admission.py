@@ -263,5 +263,6 @@ def decode_stage_check(
         return StageVerdict(False, float("inf"), float("inf"), RejectReason.DECODE_OVERLOADED)
     tbt = cd.batch_tbt_s(view, costs, decode.batch + 1, decode.context_tokens + context_tokens)
     load = tbt / cfg.tbt_slo_s
-    reason = RejectReason.DECODE_OVERLOADED if load > 1.0 else None
+    busy = decode.batch > 0  # an idle instance is not overloaded by one request (decode_shared)
+    reason = RejectReason.DECODE_OVERLOADED if load > 1.0 and busy else None
     return StageVerdict(reason is None, load, tbt, reason)

@@ -441,8 +441,17 @@ def slo_decision(choice: Choice, view: ClusterView, cfg: ConductorConfig, policy
     """Algorithm 1's SLO check of `choice`: TTFT (x `ttft_margin`) and TBT against their
     limits."""
     m = ttft_margin(view, cfg)
-    reason = slo_reason(choice.ttft_s * m, choice.tbt_s, cfg)
+    tbt = choice.tbt_s if decode_shared(choice.decode) else 0.0
+    reason = slo_reason(choice.ttft_s * m, tbt, cfg)
     return decision_from(choice, policy, reason, cfg, margin=m)
+
+
+def decode_shared(d: DecodeInstance) -> bool:
+    """Whether other requests run on (or are bound for) decode instance `d`. TBT is judged
+    only then: an idle instance's predicted TBT is its step time alone, which no admission
+    decision can lower, and rejecting it would free capacity for nobody (a slow machine would
+    refuse every request). The decision still records the predicted TBT."""
+    return d.batch + d.reserved_batch > 0
 
 
 def ttft_margin(view: ClusterView, cfg: ConductorConfig) -> float:

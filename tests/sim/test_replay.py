@@ -96,10 +96,13 @@ def test_cli_simulate_run_takes_the_scope_scheduler_and_slos() -> None:
     assert (local["cache_scope"], local["scheduler"]) == ("local", "random")
     assert local["hit_rate"] < glob["hit_rate"]  # random routing over local caches
     assert local["ttft_mean_s"] > glob["ttft_mean_s"]
-    # A TBT SLO no decode step can meet: `early` turns everything away for decode load.
+    # A TBT SLO no decode step can meet: `early` turns away every request but those that
+    # find a decode instance idle (its lone step time is not load; core.conductor
+    # decode_shared), and at 3x speed instances are rarely idle.
     tight = _run_json("--policy", "early", "--tbt-slo", "0.001", "--speed", "3")
     assert tight["tbt_slo_s"] == 0.001 and tight["speed"] == 3.0
-    assert tight["rejected"] == tight["requests"] == min(300, len(load_trace(CONV)))
+    assert tight["requests"] == min(300, len(load_trace(CONV)))
+    assert tight["rejected"] >= 0.8 * tight["requests"]
     loose_ttft = _run_json("--ttft-slo", "1000")
     assert loose_ttft["rejected"] == 0
 

@@ -97,6 +97,18 @@ def test_no_instance_and_slo_rejections() -> None:
     assert decide(v, req(), CFG, COSTS, 0.0).reason is RejectReason.TBT_SLO
 
 
+def test_an_idle_decode_instance_is_not_judged_on_tbt() -> None:
+    """A machine whose lone decode step is over the TBT limit still serves one request at a
+    time (rejecting it frees capacity for nobody); with another request on the instance the
+    limit binds again. The decision keeps the predicted TBT."""
+    slow = ConductorConfig(block_tokens=10, ttft_slo_s=5.0, tbt_slo_s=0.001)
+    v = view(1, 1)
+    d = decide(v, req(), slow, COSTS, 0.0)
+    assert d.admitted and d.predicted_tbt_s is not None and d.predicted_tbt_s > 0.001
+    v.apply(cl.DecodeLoadReported("d0", 1, 100), 0.0)
+    assert decide(v, req(), slow, COSTS, 0.0).reason is RejectReason.TBT_SLO
+
+
 def test_every_rejection_says_why_in_numbers() -> None:
     assert rejection_detail(decide(view(0, 1), req(), CFG, COSTS, 0.0)) == (
         "no live instance pair can take a prompt of 100 tokens"
@@ -290,7 +302,9 @@ def test_nothing_admitted_breaks_the_slo_and_same_inputs_same_decision(
     d = decide(v, req(), cfg, COSTS, 0.0)
     if d.admitted:
         assert d.predicted_ttft_s is not None and d.predicted_ttft_s <= cfg.ttft_slo_s
-        assert d.predicted_tbt_s is not None and d.predicted_tbt_s <= cfg.tbt_slo_s
+        assert d.predicted_tbt_s is not None
+        # Over the TBT limit only on an idle decode instance (nothing to shed there).
+        assert d.predicted_tbt_s <= cfg.tbt_slo_s or v.decode[d.decode_instance].batch == 0
     else:
         assert d.reason in (RejectReason.TTFT_SLO, RejectReason.TBT_SLO)
     # Deterministic: the same view and request decide the same, and so does a view rebuilt
