@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from mooncake.engine.model import Decoder
-from mooncake.engine.paged import PagedDecode
+from mooncake.engine.paged import PagedDecode, block_table
 from mooncake.engine.pool import KVPool, PagedKV
 
 log = logging.getLogger("mooncake.engine.graphs")
@@ -148,11 +148,9 @@ class GraphDecode:
         bucket = self._bucket(b, width)
         ids = torch.zeros((b, 1), dtype=torch.long)
         positions = torch.zeros(b, dtype=torch.long)
-        table = torch.full((b, width), self.scratch, dtype=torch.int32)
         ids[:n, 0] = torch.tensor(list(tokens), dtype=torch.long)
         positions[:n] = torch.tensor([kv.length for kv in kvs], dtype=torch.long)
-        for i, kv in enumerate(kvs):
-            table[i, : len(kv.pages)] = torch.tensor(kv.pages, dtype=torch.int32)
+        table = block_table(kvs, b, width, fill=self.scratch)
         bucket.ids.copy_(ids, non_blocking=True)
         bucket.positions.copy_(positions, non_blocking=True)
         bucket.table.copy_(table, non_blocking=True)

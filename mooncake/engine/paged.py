@@ -66,15 +66,22 @@ class PagedPrefill:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
+def block_table(kvs: Sequence[PagedKV], rows: int, width: int, fill: int = 0) -> Tensor:
+    """The block tables of `kvs` as one [rows, width] int32 tensor on the CPU, each row padded
+    with page `fill` (past a sequence's length no page is read); rows past len(kvs) are all
+    `fill`."""
+    table = torch.full((rows, width), fill, dtype=torch.int32)
+    for i, kv in enumerate(kvs):
+        table[i, : len(kv.pages)] = torch.tensor(kv.pages, dtype=torch.int32)
+    return table
+
+
 class PagedDecode:
     """One decode step's attention for sequences with KV `kvs` (each already holding pages
     for its new token at position `kv.length`)."""
 
     def __init__(self, pool: KVPool, kvs: Sequence[PagedKV]) -> None:
-        widest = max(len(kv.pages) for kv in kvs)
-        table = torch.zeros((len(kvs), widest), dtype=torch.int32)
-        for i, kv in enumerate(kvs):
-            table[i, : len(kv.pages)] = torch.tensor(kv.pages, dtype=torch.int32)
+        table = block_table(kvs, len(kvs), max(len(kv.pages) for kv in kvs))
         lengths = torch.tensor([kv.length for kv in kvs])
         self._setup(pool, lengths.to(pool.device), table.to(pool.device))
 
