@@ -68,15 +68,17 @@ async def submit(
     client_id: str | None = None,
     publisher: Publisher | None = None,
     quiet_s: float | None = None,
+    reply_to: str | None = None,
 ) -> AsyncGenerator[dict[str, Any], None]:
     """Publish one request and yield each message that comes back (decision events and
     token chunks), until the last chunk, a terminal decision in `until`, or the timeout.
 
     `client_id` names the end client (the gateway's API key digest) for per-client limits;
     `publisher` reuses a long-lived one (a worker's). With `quiet_s`, a stretch that long
-    without a message yields `QUIET` (the caller may look in the replayable copy)."""
+    without a message yields `QUIET` (the caller may look in the replayable copy).
+    `reply_to`: the inbox to use (a new one by default); a read-back names it."""
     request_id = request_id or new_request_id()
-    inbox = nc.new_inbox()
+    inbox = reply_to or nc.new_inbox()
     sub = await nc.subscribe(inbox)
     try:
         event = ev.RequestSubmitted(
@@ -131,6 +133,8 @@ class Outcome:
     # Tokens that never arrived live (core NATS drops what is published while the client is
     # reconnecting, e.g. across a broker restart) and were read back from MC_TOKENS.
     repaired: int = 0
+    # The request's reply subject: what proves to the read-back service that it is ours.
+    reply_to: str | None = None
 
     @property
     def admitted(self) -> bool:
@@ -224,6 +228,24 @@ class Outcome:
             self.text_parts[start] = str(chunk["text"])
 
 
+class Looks:
+    """When a client whose live stream went quiet (`QUIET`) looks in the request's copy.
+
+    Mid-answer a quiet stretch is a stall: look each time. Before the first token (a prefill
+    queue may take minutes, or the decision was what got lost) after 3, 6, 12, ... stretches,
+    so that a replay's queued requests do not each open a consumer every 5 s."""
+
+    def __init__(self) -> None:
+        self.quiet, self.next_look = 0, 3
+
+    def due(self, mid_answer: bool) -> bool:
+        self.quiet += 1
+        if mid_answer or self.quiet >= self.next_look:
+            self.next_look = self.next_look if mid_answer else 2 * self.quiet
+            return True
+        return False
+
+
 async def ask(
     nc: NATS,
     prompt: str | None = None,
@@ -239,7 +261,7 @@ async def ask(
     rid = request_id or new_request_id()
     out = Outcome(rid, submitted_at=time.monotonic())
     ns = ns or ev.Namespace()
-    quiet, next_look, looking = 0, 3, None
+    looks, looking = Looks(), None
     replies = submit(
         nc, prompt, ns=ns, token_ids=token_ids, params=params, request_id=rid,
         timeout_s=timeout_s, deadline_s=deadline_s, quiet_s=QUIET_S,
@@ -251,17 +273,10 @@ async def ask(
                     out.take(body)
                 elif looking is not None and looking.done() and looking.result():
                     break  # the copy ended it
-                elif looking is None or looking.done():
+                elif (looking is None or looking.done()) and looks.due(bool(out.tokens)):
                     # A look in the copy runs beside the live stream (whose timings it must
-                    # not hold up). Mid-answer a quiet stretch is a stall: look each time.
-                    # Before the first token (a prefill queue may take minutes, or the
-                    # decision was what got lost) after 3, 6, 12, ... stretches, so that a
-                    # replay's queued requests do not each open a consumer every 5 s.
-                    quiet += 1
-                    mid_answer = bool(out.tokens)
-                    if mid_answer or quiet >= next_look:
-                        next_look = next_look if mid_answer else 2 * quiet
-                        looking = asyncio.create_task(_caught_up(nc, ns, out))
+                    # not hold up).
+                    looking = asyncio.create_task(_caught_up(nc, ns, out))
     finally:
         if looking is not None and not looking.done():
             looking.cancel()
@@ -330,6 +345,51 @@ async def fill_from_copy(
                 return
 
     await retry_transient(read, within_s)
+
+
+class ReadBackRefused(RuntimeError):
+    """The read-back service would not answer the ask (its reason is the message)."""
+
+
+async def read_back(
+    nc: NATS,
+    ns: ev.Namespace,
+    out: Outcome,
+    *,
+    within_s: float = READ_BACK_WITHIN_S,
+    ask_timeout_s: float = 5.0,
+) -> None:
+    """`fill_from_copy` for a client that may not read MC_TOKENS itself (the gateway): the
+    same chunks through the read-back service (`serving.token_readback`), which answers only
+    the request's submitter (`out.reply_to`). Asks again while the answer has `more`; rides
+    out a broker failing over and a busy service for `within_s`."""
+    from mooncake.bus.publish import retry_transient
+    from mooncake.work import ReadBackAnswer, ReadBackAsk, WorkSubjects
+
+    if out.reply_to is None:
+        raise ReadBackRefused(f"{out.request_id}: no reply subject to prove it is ours")
+    subject = WorkSubjects(ns).read_back()
+    deadline = time.monotonic() + within_s
+
+    async def ask_once(start: int) -> ReadBackAnswer:
+        assert out.reply_to is not None
+        ask = ReadBackAsk(request_id=out.request_id, reply_to=out.reply_to, from_index=start)
+        msg = await nc.request(subject, ask.to_json(), timeout=ask_timeout_s)
+        return ReadBackAnswer.model_validate_json(msg.data)
+
+    while True:
+        start = out.next_missing()
+        left = max(0.0, deadline - time.monotonic())
+        answer = await retry_transient(lambda: ask_once(start), left)  # noqa: B023
+        if answer.retry and time.monotonic() + 0.2 < deadline:
+            await asyncio.sleep(0.2)
+            continue
+        if answer.error is not None:
+            raise ReadBackRefused(answer.error)
+        for chunk in answer.chunks:
+            out.fill(chunk.model_dump(mode="json"))
+        if not answer.more or out.next_missing() == start:
+            return
 
 
 # The Conductor's durable consumer of submissions (canonical names; the worker makes it).

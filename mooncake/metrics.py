@@ -81,6 +81,12 @@ TOKEN_COPIES_NOT_STORED = Counter(
     "final batch for longer than the streamer retries (each also a request.tokens_not_stored "
     "event in the record)",
 )
+TOKEN_READ_BACKS = Counter(
+    "mc_token_read_backs_total",
+    "Asks to the token read-back service (a client filling what it missed from a request's "
+    "copy), by outcome: answered, refused (not the asker's request, or unreadable) or busy",
+    ["outcome"],
+)
 TOKENS_GENERATED = Counter(
     "mc_tokens_generated_total",
     "Output tokens generated, by stage (prefill samples the first, decode the rest)",

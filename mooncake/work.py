@@ -128,6 +128,58 @@ class TokenChunk(Wire):
     error: Annotated[str, Field(max_length=2000)] | None = None
 
 
+class TokenBatch(Wire):
+    """One message on MC_TOKENS: consecutive chunks of one request, and whose they are
+    (`owner_digest` of the request's `reply_to`; None where it had none)."""
+
+    chunks: list[TokenChunk]
+    owner: Annotated[str, Field(max_length=64)] | None = None
+
+
+def owner_digest(reply_to: str) -> str:
+    """Who may read a request's copy through the read-back service: whoever knows the
+    request's reply subject. An inbox is random and only the submitter and the roles that
+    read submissions see it, so knowing it proves the ask comes from the submitter; the copy
+    keeps only this digest of it."""
+    return hashlib.blake2b(reply_to.encode(), digest_size=16).hexdigest()
+
+
+def inbox_owner(subject: str) -> str:
+    """The inbox prefix a reply subject lives under (`_INBOX.gateway` for
+    `_INBOX.gateway.<nuid>`, or for a request's `_INBOX.gateway.<nuid>.<token>` reply): with
+    per-user inbox prefixes (deploy/nats/auth.conf) it names the user who can read it."""
+    parts = subject.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 and parts[0] == "_INBOX" else ""
+
+
+# How many chunks one read-back answer holds at most (a NATS message is at most 1 MiB: a
+# chunk is one token with its text, so 512 stay far below it).
+READ_BACK_MAX_CHUNKS = 512
+
+
+class ReadBackAsk(Wire):
+    """To the read-back service (`mc.readback.tokens`, request/reply): the stored chunks of
+    `request_id` from `from_index` on. `reply_to` is the request's own reply subject: the
+    proof that the asker submitted it (`owner_digest`)."""
+
+    request_id: Identifier
+    reply_to: ReplySubject
+    from_index: Annotated[int, Field(ge=0)] = 0
+    max_chunks: Annotated[int, Field(ge=1, le=READ_BACK_MAX_CHUNKS)] = READ_BACK_MAX_CHUNKS
+
+
+class ReadBackAnswer(Wire):
+    """What the copy holds from the asked index on, in index order, each index once (the
+    final chunk last, if stored); `more` when `max_chunks` cut it short; `error` (and no
+    chunks) when the ask is refused: not the asker's request or unreadable, or (`retry`) the
+    service busy or the stream unavailable."""
+
+    chunks: list[TokenChunk] = []
+    more: bool = False
+    error: Annotated[str, Field(max_length=500)] | None = None
+    retry: bool = False  # the refusal is for now (busy, the stream unavailable): ask again
+
+
 def token_stream_token(request_id: str) -> str:
     """A subject token for a request id (ids may hold '.', which subjects cannot)."""
     return hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
@@ -151,6 +203,10 @@ class WorkSubjects:
 
     def cancel(self) -> str:
         return self.ns.subject("mc.req.cancel")
+
+    def read_back(self) -> str:
+        """The token read-back service (outside every stream's subjects)."""
+        return self.ns.subject("mc.readback.tokens")
 
 
 def tail_key(request_id: str, attempt: int) -> str:

@@ -71,6 +71,7 @@ from mooncake.serving.conductor_terminal import (
     cancelled_event_id,
 )
 from mooncake.serving.ending import Ender
+from mooncake.serving.token_readback import TokenReadBack
 from mooncake.telemetry import inject_headers
 from mooncake.work import PrefillWork, WorkSubjects
 from workers.runtime import WorkerContext, configure_logging, worker_context
@@ -145,6 +146,8 @@ class Conductor:
             ctx.nc, ctx.js, s, self.view, self._cfg, costs, self.ender, clock=clock
         )
         self.liveness = Liveness(s.conductor.liveness_timeout_s)
+        # Tokens read back for clients that may not read MC_TOKENS (the gateway).
+        self.read_back = TokenReadBack(ctx.nc, ctx.js, ctx.ns)
         self.feed = LiveFeed(
             ctx.nc, ctx.ns, self.view, self.liveness,
             on_dead=self._on_dead, on_fact=self._on_fact,
@@ -532,8 +535,10 @@ class Conductor:
 
     async def start(self) -> None:
         await self.feed.start()
+        await self.read_back.start()
 
     async def stop(self) -> None:
+        await self.read_back.stop()
         await self.feed.stop()
         await self.reaper.stop()
 

@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mooncake import events as ev
 from mooncake import metrics
-from mooncake.client import InOrderText, Outcome, new_request_id
+from mooncake.client import QUIET, InOrderText, Looks, Outcome, new_request_id
 from mooncake.config import Settings
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.gateway import errors
@@ -154,19 +154,40 @@ class Call:
     delivered: bool = False  # the client has had everything there is to say
     unsent: bool = False  # the submission could not be published
     closed: bool = field(default=False, repr=False)
+    looks: Looks = field(default_factory=Looks, repr=False)
 
     async def next(self) -> dict[str, Any] | None:
+        """The next reply (or `QUIET`, after which the answer may have grown from the copy);
+        None once the reply stream is over. Live replies travel on core NATS, which drops
+        what is published while the gateway reconnects to a broker: a stream that ends with
+        tokens or its end missing, or stalls mid-answer, is completed from the request's
+        stored copy (`Backend.read_back`) before the client is answered."""
         if self.over:
             return None
         try:
             body = await anext(self.replies)
         except StopAsyncIteration:
+            if self.out.incomplete:
+                await self._read_back()
             self.over = True
             return None
+        if body is QUIET:
+            if self.looks.due(bool(self.out.tokens)):
+                await self._read_back()
+                if self.out.finish_reason is not None and not self.out.missing():
+                    self.over = True  # the copy ended it
+                    return None
+            return body
         self.out.take(body)
         if body.get("type") in ENDED_TYPES:
             self.ended = body
         return body
+
+    async def _read_back(self) -> None:
+        try:
+            await self.gateway.backend.read_back(self.out)
+        except Exception as exc:  # best effort: the client is answered with what there is
+            log.warning("%s: not read back from its copy: %s", self.request_id, exc)
 
     def _decided(self) -> bool:
         o = self.out
@@ -199,6 +220,11 @@ class Call:
         o, opts = self.out, self.gateway.options
         if o.rejected_reason is not None and o.decision is not None:
             return errors.rejected(o.decision, opts.retry_after_s)
+        if o.finished and (lost := o.missing()):  # never an answer with a hole in it
+            return errors.unavailable(
+                f"tokens {lost[:8]} of the answer were lost in transit and could not be "
+                "read back from the request's copy; retry"
+            )
         if o.finished:
             return None
         if self.ended is not None:
@@ -354,12 +380,14 @@ class Gateway:
         span = tracer().start_span(
             f"gateway {route}", kind=SpanKind.SERVER, attributes={"mc.request_id": rid}
         )
+        reply_to = self.backend.new_reply_subject()
         replies = self.backend.submit(
-            submission, request_id=rid, timeout_s=self.options.request_timeout_s
-        )
+            submission, request_id=rid, reply_to=reply_to,
+            timeout_s=self.options.request_timeout_s,
+        )  # fmt: skip
         call = Call(
             self, rid, replies, fmt, len(submission.token_ids or ()),
-            Outcome(rid, submitted_at=time.monotonic()), span,
+            Outcome(rid, submitted_at=time.monotonic(), reply_to=reply_to), span,
         )  # fmt: skip
         streaming = False
         try:

@@ -38,19 +38,13 @@ from mooncake import metrics
 from mooncake.bus.publish import MSG_ID, Publisher
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.namespace import Namespace
-from mooncake.work import TokenChunk, Wire, WorkSubjects
+from mooncake.work import TokenBatch, TokenChunk, WorkSubjects, owner_digest
 
 log = logging.getLogger("mooncake.serving.streaming")
 
 FLUSH_S = 0.05
 FLUSH_TOKENS = 16
 REPLACEMENT = "\ufffd"  # what a decoder yields for the bytes of an unfinished character
-
-
-class TokenBatch(Wire):
-    """One message on MC_TOKENS: consecutive chunks of one request."""
-
-    chunks: list[TokenChunk]
 
 
 # --- text increments --------------------------------------------------------------------------
@@ -119,6 +113,7 @@ class TextDeltas:
 class _Stream:
     reply_to: str | None
     subject: str
+    owner: str | None  # `owner_digest(reply_to)`, in every batch of the copy
     pending: list[TokenChunk] = field(default_factory=list)
     since: float = 0.0  # monotonic time the oldest pending chunk was added
     # One batch of a request in flight at a time: a batch that fails goes back in front of
@@ -164,7 +159,8 @@ class TokenStreamer:
         self._final = Publisher(nc, js, ns, give_up_s=give_up_s)
 
     def open(self, request_id: str, reply_to: str | None) -> None:
-        self._streams[request_id] = _Stream(reply_to, self._subjects.tokens(request_id))
+        owner = owner_digest(reply_to) if reply_to else None
+        self._streams[request_id] = _Stream(reply_to, self._subjects.tokens(request_id), owner)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -210,7 +206,7 @@ class TokenStreamer:
             chunks, s.pending = s.pending, []
             try:
                 await self._final.publish_raw(
-                    s.subject, TokenBatch(chunks=chunks).to_json(),
+                    s.subject, TokenBatch(chunks=chunks, owner=s.owner).to_json(),
                     {MSG_ID: f"tok:{final.request_id}:done"},
                 )  # fmt: skip
             except Exception as exc:
@@ -231,7 +227,7 @@ class TokenStreamer:
             if not chunks:
                 return
             first, last = chunks[0].index, chunks[-1].index
-            payload = TokenBatch(chunks=chunks).to_json()
+            payload = TokenBatch(chunks=chunks, owner=s.owner).to_json()
             try:
                 await self._js.publish(
                     s.subject, payload, headers={MSG_ID: batch_msg_id(request_id, first, last)},
@@ -265,21 +261,26 @@ class TokenStreamer:
 # --- reading back -----------------------------------------------------------------------------
 
 
-async def resume_tokens(
-    js: JetStreamContext,
-    ns: Namespace,
-    request_id: str,
-    from_index: int = 0,
-    *,
-    idle_timeout_s: float = 30.0,
-) -> AsyncIterator[TokenChunk]:
-    """The request's chunks from index `from_index` on, in order and each index once, as they
-    are stored and then as they arrive, until the final (`done`) chunk, or until nothing has
-    arrived for `idle_timeout_s` (the request is not running anywhere)."""
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One batch of a request's copy as read, and how many messages of the request the
+    stream held after it when it was delivered (0: the copy is read to its current end)."""
+
+    batch: TokenBatch
+    pending: int
+
+
+async def stored_batches(
+    js: JetStreamContext, ns: Namespace, request_id: str, *, idle_timeout_s: float
+) -> AsyncIterator[Stored]:
+    """The request's copy, batch by batch as stored and then as it grows, until nothing has
+    arrived for `idle_timeout_s`. Unreadable messages are skipped (and logged)."""
     subject = WorkSubjects(ns).tokens(request_id)
     # An ordered consumer: ephemeral, no acks, recreated by the client across a reconnect.
-    sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-    following = from_index
+    sub = await js.subscribe(
+        subject, stream=ns.stream("MC_TOKENS"), ordered_consumer=True,
+        deliver_policy=DeliverPolicy.ALL,
+    )  # fmt: skip
     try:
         while True:
             try:
@@ -291,16 +292,50 @@ async def resume_tokens(
             except ValidationError:
                 log.warning("unreadable token batch on %s", subject)
                 continue
-            for chunk in batch.chunks:
-                if chunk.request_id != request_id:
-                    continue
-                if chunk.done:
-                    yield chunk
-                    return
-                if chunk.index < following:
-                    continue  # a copy from a redelivered decode, or before the offset
-                following = chunk.index + max(len(chunk.token_ids), 1)
-                yield chunk
+            yield Stored(batch, msg.metadata.num_pending)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+class InOrder:
+    """Chunks of a request's copy from an offset on, in order and each index once (a
+    redelivered decode stores some again), the final (`done`) chunk last."""
+
+    def __init__(self, request_id: str, from_index: int) -> None:
+        self.request_id, self.following, self.done = request_id, from_index, False
+
+    def take(self, batch: TokenBatch) -> list[TokenChunk]:
+        out: list[TokenChunk] = []
+        for chunk in batch.chunks:
+            if self.done or chunk.request_id != self.request_id:
+                continue
+            if chunk.done:
+                self.done = True
+            elif chunk.index < self.following:
+                continue  # a copy from a redelivered decode, or before the offset
+            else:
+                self.following = chunk.index + max(len(chunk.token_ids), 1)
+            out.append(chunk)
+        return out
+
+
+async def resume_tokens(
+    js: JetStreamContext,
+    ns: Namespace,
+    request_id: str,
+    from_index: int = 0,
+    *,
+    idle_timeout_s: float = 30.0,
+) -> AsyncIterator[TokenChunk]:
+    """The request's chunks from index `from_index` on, in order and each index once, as they
+    are stored and then as they arrive, until the final (`done`) chunk, or until nothing has
+    arrived for `idle_timeout_s` (the request is not running anywhere)."""
+    order = InOrder(request_id, from_index)
+    batches = stored_batches(js, ns, request_id, idle_timeout_s=idle_timeout_s)
+    async with contextlib.aclosing(batches):
+        async for stored in batches:
+            for chunk in order.take(stored.batch):
+                yield chunk
+            if order.done:
+                return

@@ -39,10 +39,13 @@ from mooncake.bus.connection import (
 )
 from mooncake.bus.consume import ACK, Delivery, Outcome, PullConsumer, per_message
 from mooncake.bus.publish import MSG_ID, Publisher
-from mooncake.client import submit
+from mooncake.client import Outcome as Answer
+from mooncake.client import ReadBackRefused, read_back, submit
 from mooncake.config import BusSettings, Settings
 from mooncake.services import ManagedProcess, free_port, nats_server_binary, tcp_reachable
 from mooncake.serving.conductor_reaper import work_consumer
+from mooncake.serving.streaming import TokenStreamer
+from mooncake.serving.token_readback import TokenReadBack
 from mooncake.store.protocol import Subjects as StoreSubjects
 from mooncake.work import DecodeWork, PrefillWork, Timing, TokenChunk, WorkSubjects
 from workers.conductor import SUBMITTED
@@ -428,6 +431,38 @@ async def test_gateway_cannot_read_other_replies_or_token_streams(broker: str, a
     finally:
         await gateway.close()
         await decode.close()
+
+
+async def test_gateway_reads_back_its_own_tokens_through_the_conductor(
+    broker: str, admin: NATS
+) -> None:
+    """The read-back service runs as the conductor user (ordered consumers on MC_TOKENS);
+    the gateway, which may not read that stream, gets its own request's tokens from it and
+    nothing of another client's request."""
+    gateway, conductor = await as_role(broker, "gateway"), await as_role(broker, "conductor")
+    decode = await as_role(broker, "decode")
+    service = TokenReadBack(conductor, conductor.jetstream(), NS)
+    await service.start()
+    try:
+        streamer = TokenStreamer(decode, decode.jetstream(), NS, instance="d0")
+        ours, theirs = gateway.new_inbox(), admin.new_inbox()
+        for rid, inbox in (("gw-own", ours), ("someone-elses", theirs)):
+            streamer.open(rid, inbox)
+            await streamer.emit(TokenChunk(request_id=rid, index=0, token_ids=[5], text="a"))
+            await streamer.close(TokenChunk(request_id=rid, index=1, done=True,
+                                            finish_reason="stop"))  # fmt: skip
+        out = Answer("gw-own", reply_to=ours)
+        await read_back(gateway, NS, out, within_s=5)
+        assert out.token_ids == [5] and out.finished
+        with pytest.raises(ReadBackRefused):
+            await read_back(gateway, NS, Answer("someone-elses", reply_to=ours), within_s=5)
+        for nc in (gateway, conductor, decode):
+            await nc.flush()
+            assert nc.last_error is None, nc.last_error
+    finally:
+        await service.stop()
+        for nc in (gateway, conductor, decode):
+            await nc.close()
 
 
 async def test_gateway_cannot_state_facts_or_touch_streams(broker: str, admin: NATS) -> None:

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from tokenizers import decoders as tk_decoders
 from tokenizers.models import BPE
 
-from mooncake.client import TERMINAL_TYPES, is_final
+from mooncake.client import QUIET, TERMINAL_TYPES, Outcome, is_final
 from mooncake.config import Settings
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.gateway import GatewayOptions, create_app
@@ -67,7 +67,7 @@ def replies(*steps: Any) -> Script:
 
     async def script(rid: str, sub: Submission) -> AsyncIterator[Any]:
         for step in steps:
-            yield step if step is HANG else {**step, "request_id": rid}
+            yield step if step is HANG or step is QUIET else {**step, "request_id": rid}
 
     return script
 
@@ -76,17 +76,41 @@ class FakeBackend:
     """Records what the gateway submits and cancels; answers from a script, with
     `mooncake.client.submit`'s end-of-stream rules."""
 
-    def __init__(self, script: Script | None = None, connected: bool = True) -> None:
+    def __init__(
+        self,
+        script: Script | None = None,
+        connected: bool = True,
+        copy: Callable[[str], list[dict[str, Any]]] | None = None,
+    ) -> None:
         self.script = script or answer("Hello", " world")
         self.connected = connected
+        self.copy = copy  # the request's stored chunks, for read-backs
         self.submitted: list[tuple[str, Submission]] = []
         self.cancels: list[tuple[str, str]] = []
         self.closed: list[str] = []
+        self.read_backs: list[tuple[str, int]] = []  # (request id, from index)
+        self.replies = 0
+
+    def new_reply_subject(self) -> str:
+        self.replies += 1
+        return f"_INBOX.test.{self.replies}"
 
     def submit(
-        self, submission: Submission, *, request_id: str, timeout_s: float
+        self, submission: Submission, *, request_id: str, reply_to: str, timeout_s: float
     ) -> AsyncIterator[dict[str, Any]]:
+        assert reply_to == f"_INBOX.test.{self.replies}"
         return self._follow(submission, request_id)
+
+    async def read_back(self, out: Outcome) -> None:
+        """What `client.read_back` does: the copy's chunks from the first missing index."""
+        assert out.reply_to is not None and out.reply_to.startswith("_INBOX.test.")
+        start = out.next_missing()
+        self.read_backs.append((out.request_id, start))
+        if self.copy is None:
+            raise RuntimeError("no copy")
+        for body in self.copy(out.request_id):
+            if body.get("done") or body["index"] >= start:
+                out.fill(body)
 
     async def _follow(self, submission: Submission, rid: str) -> AsyncIterator[dict[str, Any]]:
         self.submitted.append((rid, submission))  # published on the first read, like submit
@@ -419,6 +443,81 @@ async def test_streamed_chat_read_by_the_openai_client(rig: Callable[..., Rig]) 
     text = "".join(c.choices[0].delta.content or "" for c in deltas)
     assert text == "The moon rises"
     assert deltas[-1].choices[0].finish_reason == "stop"
+
+
+# --- what the live stream missed ------------------------------------------------------------------
+# Live replies travel on core NATS: what is published while the gateway reconnects is lost.
+# The gateway completes the answer from the request's stored copy (Backend.read_back).
+
+
+def whole_copy(*pieces: str, reason: str = "stop") -> Callable[[str], list[dict[str, Any]]]:
+    def copy(rid: str) -> list[dict[str, Any]]:
+        chunks = [chunk(rid, i, 100 + i, piece) for i, piece in enumerate(pieces)]
+        return [*chunks, final(rid, len(pieces), reason)]
+
+    return copy
+
+
+async def test_a_token_lost_live_is_read_back_before_the_answer(rig: Callable[..., Rig]) -> None:
+    live = replies(admitted("r"), chunk("r", 0, 100, "Hello"), chunk("r", 2, 102, "!"),
+                   final("r", 3))  # fmt: skip
+    r = Rig(FakeBackend(live, copy=whole_copy("Hello", " world", "!")), byte_tokenizer(TEMPLATE))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "Hello world!"
+    assert resp.json()["usage"]["completion_tokens"] == 3
+    assert r.backend.read_backs == [(resp.headers["x-request-id"], 1)]
+
+
+async def test_a_streamed_answer_is_whole_and_in_order_after_a_lost_token(
+    rig: Callable[..., Rig],
+) -> None:
+    live = replies(admitted("r"), chunk("r", 0, 100, "Hello"), chunk("r", 2, 102, "!"),
+                   final("r", 3))  # fmt: skip
+    r = Rig(FakeBackend(live, copy=whole_copy("Hello", " world", "!")), byte_tokenizer(TEMPLATE))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(texts) == "Hello world!" and texts[0] == "Hello"  # nothing after the gap early
+
+
+async def test_a_lost_final_chunk_is_read_back_when_the_stream_stalls(
+    rig: Callable[..., Rig],
+) -> None:
+    """Mid-answer the live stream goes quiet (its final chunk was lost): the gateway looks in
+    the copy at the first quiet stretch, answers from it, and has nothing to cancel."""
+    live = replies(admitted("r"), chunk("r", 0, 100, "Hello"), QUIET, HANG)
+    r = Rig(FakeBackend(live, copy=whole_copy("Hello", " world")), byte_tokenizer(TEMPLATE))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "Hello world"
+    await r.gateway.drain()
+    assert r.backend.cancels == []
+    assert r.backend.read_backs == [(resp.headers["x-request-id"], 1)]
+
+
+async def test_quiet_before_the_first_token_looks_in_the_copy_only_now_and_then(
+    rig: Callable[..., Rig],
+) -> None:
+    """A request queued for its prefill is quiet for long stretches: the copy is looked in
+    after 3, 6, 12, ... of them, not at each."""
+    live = replies(admitted("r"), *[QUIET] * 7, chunk("r", 0, 100, "Hi"), final("r", 1))
+    r = Rig(FakeBackend(live, copy=lambda rid: []), byte_tokenizer(TEMPLATE))
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert resp.json()["choices"][0]["text"] == "Hi"
+    assert len(r.backend.read_backs) == 2  # after the 3rd and the 6th
+
+
+async def test_an_answer_with_a_hole_is_an_error_not_a_shorter_text(
+    rig: Callable[..., Rig],
+) -> None:
+    live = replies(admitted("r"), chunk("r", 0, 100, "Hello"), chunk("r", 2, 102, "!"),
+                   final("r", 3))  # fmt: skip
+    r = Rig(FakeBackend(live, copy=None), byte_tokenizer(TEMPLATE))  # the read-back fails
+    resp = await r.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 503
+    assert "[1]" in error_of(resp)["message"] and error_of(resp)["code"] == "unavailable"
 
 
 # --- rejections, failures, timeouts, cancels ------------------------------------------------------

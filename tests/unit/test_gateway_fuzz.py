@@ -24,7 +24,7 @@ from tokenizers import decoders as tk_decoders
 from tokenizers.models import BPE
 
 from mooncake import events as ev
-from mooncake.client import TERMINAL_TYPES, is_final
+from mooncake.client import TERMINAL_TYPES, Outcome, is_final
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.gateway import GatewayOptions, create_app
 from mooncake.gateway.app import Gateway, client_of
@@ -44,8 +44,11 @@ class Pipeline:
         self.submitted: list[Submission] = []
         self.connected = True
 
+    def new_reply_subject(self) -> str:
+        return "_INBOX.x"
+
     async def submit(
-        self, submission: Submission, *, request_id: str, timeout_s: float
+        self, submission: Submission, *, request_id: str, reply_to: str, timeout_s: float
     ) -> AsyncIterator[dict[str, Any]]:
         ev.RequestSubmitted(  # what mooncake.client.submit publishes for the gateway
             request_id=request_id,
@@ -53,7 +56,7 @@ class Pipeline:
             token_ids=submission.token_ids,
             params=submission.params,
             client_id=submission.client_id,
-            reply_to="_INBOX.x",
+            reply_to=reply_to,
             deadline_s=1.0,
         )
         self.submitted.append(submission)
@@ -67,6 +70,9 @@ class Pipeline:
             yield body
             if is_final(body, TERMINAL_TYPES):
                 return
+
+    async def read_back(self, out: Outcome) -> None:
+        raise AssertionError("every answer arrives whole here: nothing to read back")
 
     async def cancel(self, request_id: str, reason: str) -> None:
         return None
