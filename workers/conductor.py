@@ -70,7 +70,7 @@ from mooncake.serving.conductor_terminal import (
     cancel_stage,
     cancelled_event_id,
 )
-from mooncake.serving.ending import Ender
+from mooncake.serving.ending import Ender, reply
 from mooncake.serving.token_readback import TokenReadBack
 from mooncake.telemetry import inject_headers
 from mooncake.work import PrefillWork, WorkSubjects
@@ -343,17 +343,51 @@ class Conductor:
                         except Exception as exc:
                             outcomes[i] = _failed(spans[i], exc)
 
-            await self._emit_batch(plans, spans, outcomes)
+            redelivered = {i for i, d in enumerate(batch) if d.num_delivered > 1}
+            await self._claim_rejections(plans, spans, outcomes, redelivered)
+            await self._emit_batch(plans, spans, outcomes, redelivered)
             return outcomes
         finally:
             for span in spans:
                 span.end()
+
+    async def _claim_rejections(
+        self,
+        plans: dict[int, tuple[ev.RequestSubmitted, Plan]],
+        spans: list[trace.Span],
+        outcomes: list[Outcome],
+        redelivered: set[int],
+    ) -> None:
+        """A rejection ends its request: its terminal slot is claimed before it is published
+        (`Ender.claim_rejections`), and one whose request ended first (a cancel) is dropped.
+        A redelivered submission's rejection is claimed after the publish instead: an earlier
+        attempt may have stored an admission whose work is out, which a claim made first
+        would end (`_emit_batch` adopts that admission)."""
+        firsts = [
+            (i, plan[0])
+            for i, (_, plan) in plans.items()
+            if i not in redelivered
+            and not isinstance(plan, Retry)
+            and isinstance(plan[0], ev.RequestRejected)
+        ]
+        if not firsts:
+            return
+        claimed = await self.ender.claim_rejections([event for _, event in firsts])
+        for (i, event), won in zip(firsts, claimed, strict=True):
+            if won is True:
+                continue
+            if isinstance(won, BaseException):
+                outcomes[i] = _failed(spans[i], won)
+            else:
+                log.info("%s ended before its rejection (cancelled)", event.request_id)
+            del plans[i]
 
     async def _emit_batch(
         self,
         plans: dict[int, tuple[ev.RequestSubmitted, Plan]],
         spans: list[trace.Span],
         outcomes: list[Outcome],
+        redelivered: set[int],
     ) -> None:
         """Publish the decisions of a batch, pipelined (`Publisher.publish_batch`): first
         every decision event, then the work of those admitted (an admission is recorded
@@ -396,6 +430,8 @@ class Conductor:
                 work_of.append((i, request, event))
             else:
                 assert isinstance(event, ev.RequestRejected)
+                if i in redelivered and not await self.ender.claim_rejections([event]) == [True]:
+                    log.warning("%s was rejected after it ended", request.request_id)
                 metrics.REQUESTS_REJECTED.labels(stages[i], event.reason.value).inc()
                 await self._reply(request, event)
         sent = await pub.publish_batch(work_items)
@@ -464,9 +500,7 @@ class Conductor:
 
     async def _reply(self, request: ev.RequestSubmitted, event: ev.Event) -> None:
         """The decision to the client too (core NATS: best effort, the record has it)."""
-        if request.reply_to:
-            with contextlib.suppress(Exception):
-                await self._ctx.nc.publish(request.reply_to, event.to_json())
+        await reply(self._ctx.nc, request.reply_to, event.to_json())
 
     def _judge(self, d: Delivery) -> ev.RequestSubmitted | Awaitable[Outcome]:
         """The accepted request, or (an awaitable of) the outcome of one that is not."""
@@ -490,11 +524,8 @@ class Conductor:
                 metrics.REQUESTS_REJECTED.labels("ingress", "unreadable").inc()
                 return DeadLetter(reason, detail)
             case ingress.Reject(event=rejected, reply_to=reply_to):
-                await self._ctx.publisher.publish(rejected)
-                metrics.REQUESTS_REJECTED.labels("ingress", rejected.reason.value).inc()
-                if reply_to is not None:  # best effort, as every reply (the record has it)
-                    with contextlib.suppress(Exception):
-                        await self._ctx.nc.publish(reply_to, rejected.to_json())
+                if await self.ender.reject(rejected, reply_to=reply_to):
+                    metrics.REQUESTS_REJECTED.labels("ingress", rejected.reason.value).inc()
                 return ACK
         raise AssertionError("unreachable")  # pragma: no cover
 

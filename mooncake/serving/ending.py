@@ -1,7 +1,8 @@
 """How a request ends, whoever ends it: claim → terminal event → final chunk → reply.
 
 Every end goes through the terminal claim (`mooncake.bus.terminal`): whoever claims the
-request's slot first publishes its one terminal event (completed, failed or cancelled);
+request's slot first publishes its one terminal event (completed, failed, cancelled or
+rejected);
 everybody else (a decode worker that finishes a moment after a cancel, a second cancel, a
 stage that fails a request another instance completed) loses the claim and publishes nothing.
 The claim value is the event id, so a redelivered handler that claimed and crashed before
@@ -9,13 +10,21 @@ publishing claims again and publishes the same (deduplicated) event.
 
 The client hears it too: a final `TokenChunk(done, finish_reason)`. Stages that stream tokens
 send it through their token streamer (which also keeps the replayable copy); the others
-publish it on the request's `reply_to`.
+publish it on the request's `reply_to` (`reply`). A rejection's client hears the rejection
+event itself. HTTP clients are among them: the gateway is the submitter, and answers its
+client from what comes back on the reply subject.
+
+A rejection is claimed like every end, so a cancel that got there first wins and the
+rejection is not published. The Conductor claims a batch's rejections together before it
+publishes the batch (`claim_rejections`); `reject` is one rejection from start to end.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
 
 from nats.aio.client import Client as NATS
@@ -62,9 +71,29 @@ class Ender:
         if final is not None:
             if send is not None:
                 await send(final)
-            elif reply_to:
-                await self.nc.publish(reply_to, final.to_json())
+            else:
+                await reply(self.nc, reply_to, final.to_json())
         return True
+
+    async def reject(self, event: ev.RequestRejected, *, reply_to: str | None) -> bool:
+        """End the request with its rejection unless it ended first; True if this did."""
+        [claimed] = await self.claim_rejections([event])
+        if isinstance(claimed, BaseException):
+            raise claimed
+        if not claimed:
+            return False
+        await self.publisher.publish(event)
+        await reply(self.nc, reply_to, event.to_json())
+        return True
+
+    async def claim_rejections(
+        self, events: Sequence[ev.RequestRejected]
+    ) -> list[bool | BaseException]:
+        """The terminal slots of `events`' requests, claimed together (before the caller
+        publishes them): True where the rejection ends its request, False where something
+        ended it first (a cancel), the error where the claim could not be made."""
+        claims = (terminal.claim(self.kv, e.request_id, "rejected", e.event_id) for e in events)
+        return list(await asyncio.gather(*claims, return_exceptions=True))
 
     async def fail(
         self,
@@ -108,6 +137,14 @@ class Ender:
 
     async def ended(self, request_id: str) -> str | None:
         return await terminal.ended(self.kv, request_id)
+
+
+async def reply(nc: NATS, reply_to: str | None, payload: bytes) -> None:
+    """To the submitter's reply subject, if it gave one (core NATS: best effort, the record
+    holds every decision and end)."""
+    if reply_to:
+        with contextlib.suppress(Exception):
+            await nc.publish(reply_to, payload)
 
 
 def final(

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
@@ -272,7 +272,7 @@ class Stored:
 
 async def stored_batches(
     js: JetStreamContext, ns: Namespace, request_id: str, *, idle_timeout_s: float
-) -> AsyncIterator[Stored]:
+) -> AsyncGenerator[Stored, None]:
     """The request's copy, batch by batch as stored and then as it grows, until nothing has
     arrived for `idle_timeout_s`. Unreadable messages are skipped (and logged)."""
     subject = WorkSubjects(ns).tokens(request_id)

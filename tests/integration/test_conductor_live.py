@@ -566,6 +566,39 @@ async def test_what_cannot_fit_the_context_is_rejected_before_any_work(
         await p1_work.unsubscribe()
 
 
+async def test_a_rejection_claims_the_end_and_a_cancel_that_came_first_wins(
+    nats_url: str, namespace: str
+) -> None:
+    """A rejection ends its request through the terminal claim, as every end does: the slot
+    says `rejected` afterwards, and a request whose end was claimed first (a cancel handled
+    by another Conductor, or here while this one's admission step ran) gets no rejection:
+    one terminal event, not two. An ingress rejection claims too."""
+    s = live_settings(nats_url, namespace)
+    s = s.model_copy(update={"engine": EngineSettings(model="dummy", dummy=DummyModel(context=64))})
+    async with live(s) as (cl, conductor):
+        conductor._started -= 60.0  # past the start-up check that reads the slot at intake
+        kv = conductor.ender.kv
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+
+        await cl.submit("r-too-long", token_ids=tokens(64))
+        assert (await cl.outcome("r-too-long"))["reason"] == "prompt_too_long"
+        assert await terminal.ended(kv, "r-too-long") == "rejected"
+
+        assert await terminal.claim(kv, "r-raced", "cancelled", "cancel-1")
+        await cl.submit("r-raced", token_ids=tokens(64))
+        await cl.submit("r-after", token_ids=tokens(64))  # in order behind it
+        await cl.outcome("r-after")
+        assert cl.of("request.rejected", "r-raced") == [] and cl.replies["r-raced"] == []
+        assert await terminal.ended(kv, "r-raced") == "cancelled"
+
+        bad = cl.request("r-reply-to-us", token_ids=tokens(4))
+        bad = bad.model_copy(update={"reply_to": cl.ns.subject("mc.req.x")})
+        await Publisher(cl.nc, cl.js, cl.ns).publish(bad)
+        assert (await cl.outcome("r-reply-to-us"))["stage"] == "ingress"
+        assert await terminal.ended(kv, "r-reply-to-us") == "rejected"
+
+
 async def test_submit_against_a_stopped_system_fails_fast_and_sends_nothing(
     nats_url: str, namespace: str
 ) -> None:
