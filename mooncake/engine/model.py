@@ -423,14 +423,29 @@ class Decoder(nn.Module):
     ) -> Tensor:
         """tokens, positions [B, S] -> logits [B, V] (last position) or [B, S, V]."""
         x = self.embed_tokens(tokens)
+        x = self.run_layers(x, positions, backend, range(len(self.layers)), hooks, last_only)
+        return self.logits(x[:, -1] if last_only else x)
+
+    def run_layers(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        backend: AttentionBackend,
+        layers: range,
+        hooks: LayerHooks = NO_HOOKS,
+        last_only: bool = False,
+    ) -> Tensor:
+        """Hidden states [B, S, hidden] at `positions` through the blocks in `layers`: the
+        whole model in `forward`, a stage's share in a chunked pipeline (engine.stage).
+        `last_only` cuts the model's last layer to the last position."""
         cos, sin = self.rope(positions)
         last = len(self.layers) - 1
-        for i, block in enumerate(self.layers):
+        for i in layers:
             hooks.before_layer(i)
-            x, k, v = block(x, cos, sin, i, backend, last_only and i == last)
+            x, k, v = self.layers[i](x, cos, sin, i, backend, last_only and i == last)
             hooks.after_layer(i, k, v)
             del k, v  # not held while the next layer computes its own
-        return self.logits(x[:, -1] if last_only else x)
+        return x
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """tokens [...] -> their embeddings [..., hidden]."""
