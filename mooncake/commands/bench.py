@@ -251,3 +251,40 @@ def bench_memory(
         err.print(f"[red]bench memory failed:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     print_result("bench memory", result, as_json)
+
+
+@bench_app.command("cpp")
+def bench_cpp(
+    prompt_tokens: Annotated[int, typer.Option(min=2, help="Tokens of the prompt")] = 8192,
+    chunk_tokens: Annotated[int, typer.Option(min=1, help="Tokens of each chunk")] = 1024,
+    threads: Annotated[int, typer.Option(min=1, help="Torch threads of each worker")] = 1,
+    stages: Annotated[
+        str, typer.Option(help="Group sizes to run, comma-separated (each >= 2)")
+    ] = "2,4",
+    transport: Annotated[str, typer.Option(help="Activations between stages: shm | tcp")] = "shm",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Chunked pipeline parallelism (PAPER.md §6): one prompt prefilled by one worker, then by
+    groups of stage workers (layer ranges, chunks flowing through them, activations over the
+    store's transfer engine), each worker a process with THREADS torch threads. Prints each
+    group's prefill time, its speedup over the one worker, and the largest logit difference."""
+    from mooncake.bench.cpp import CppBenchOptions, run_cpp_bench
+
+    try:
+        groups = tuple(int(x) for x in stages.split(",") if x.strip())
+    except ValueError:
+        groups = ()
+    if not groups or min(groups) < 2:
+        err.print(f"[red]bench cpp:[/red] --stages wants sizes >= 2, e.g. 2,4 (got {stages!r})")
+        raise typer.Exit(2)
+    if transport not in ("shm", "tcp"):
+        err.print(f"[red]bench cpp:[/red] --transport is shm or tcp (got {transport!r})")
+        raise typer.Exit(2)
+    settings = settings_or_exit()
+    opts = CppBenchOptions(prompt_tokens, chunk_tokens, threads, groups, transport)
+    try:
+        result = run_cpp_bench(settings, opts)
+    except ValueError as exc:
+        err.print(f"[red]bench cpp:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
+    print_result("bench cpp", result, as_json)

@@ -1,0 +1,274 @@
+"""`mooncake bench cpp`: one long prompt prefilled by one worker, against the same prompt
+through a chunked pipeline of stage workers (CPP, PAPER.md §6, `core.cpp`).
+
+Each side runs in processes of its own, spawned fresh, each limited to `threads` torch
+threads (1 by default), one side after the other:
+- one worker: the engine's prefill of the whole prompt in one call (`Engine.prefill`);
+- N stage workers: stage s holds layers `layer_ranges(L, N)[s]` (every stage loads the whole
+  model, as a prefill worker that serves any stage or whole prompts does) and runs the
+  prompt's chunks through them (`engine.stage.run_chunk`); activations go from stage to
+  stage over the store's transfer engine (`serving.activations`, shm by default), and stage
+  s works on chunk k while stage s + 1 works on chunk k - 1.
+TTFT here is prefill time: from the moment every process is ready (model loaded, warmed on a
+short prompt) to the last position's logits in the parent. `logits_max_abs_diff` compares the
+pipeline's logits with the single worker's (float32 activations, the same weights).
+`parallel_2` is what two such workers get done side by side over one alone (chunk-sized
+prefills): 2.0 on two free cores, less where the "cores" share one (SMT siblings, a busy
+host); `speedup_2` cannot pass it, so `speedup_2_of_parallel_2` is the pipeline's own
+efficiency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mooncake.config import Settings
+
+WARM_TOKENS = 64
+PARALLEL_REPS = 3
+
+
+@dataclass(frozen=True)
+class CppBenchOptions:
+    prompt_tokens: int = 8192
+    chunk_tokens: int = 1024
+    threads: int = 1
+    stages: tuple[int, ...] = (2, 4)
+    transport: str = "shm"
+    slots: int = 2
+
+
+def bench_prompt(tokens: int, vocab: int) -> list[int]:
+    """A deterministic prompt of random token ids (no special ids: 0 .. 255 are skipped)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(19)
+    return torch.randint(256, vocab, (tokens,), generator=gen).tolist()
+
+
+def _engine(settings: Settings, opts: CppBenchOptions) -> Any:
+    """(In a child.) The workers' engine at `opts.threads` threads, a pool for one prompt."""
+    from pydantic import ByteSize
+
+    from mooncake.engine.engine import min_pool_tokens
+    from mooncake.model_info import model_spec
+    from mooncake.serving.models import build_engine
+
+    spec = model_spec(settings.engine)
+    per_token = spec.kv_bytes_per_token(4)
+    pool = (min_pool_tokens(spec.context, settings.block_tokens) + 2 * WARM_TOKENS) * per_token
+    update = {
+        "engine": settings.engine.model_copy(update={"threads": opts.threads}),
+        "kv_cache_bytes": ByteSize(pool),
+    }
+    return build_engine(settings.model_copy(update=update))
+
+
+def _single(settings: Settings, opts: CppBenchOptions, conn: Connection) -> None:
+    """(Child.) The single worker: ready, go, the whole prompt, its logits."""
+    engine = _engine(settings, opts)
+    tokens = bench_prompt(opts.prompt_tokens, engine.spec.vocab_size)
+    warm = engine.prefill(tokens[:WARM_TOKENS])
+    warm.kv.release()
+    conn.send(("ready",))
+    conn.recv()  # go
+    done = engine.prefill(tokens)
+    conn.send(("logits", done.logits.float().tolist()))
+
+
+def _throughput(settings: Settings, opts: CppBenchOptions, conn: Connection) -> None:
+    """(Child.) Prefills of one chunk's worth of tokens, timed: run alone and side by side,
+    they measure how much two workers on this machine get done together (`parallel_2`)."""
+    engine = _engine(settings, opts)
+    tokens = bench_prompt(min(opts.chunk_tokens, opts.prompt_tokens), engine.spec.vocab_size)
+    engine.prefill(tokens[:WARM_TOKENS]).kv.release()
+    conn.send(("ready",))
+    conn.recv()  # go
+    t0 = time.perf_counter()
+    for _ in range(PARALLEL_REPS):
+        engine.prefill(tokens).kv.release()
+    conn.send(("took", time.perf_counter() - t0))
+
+
+def parallel_2(settings: Settings, opts: CppBenchOptions) -> float:
+    """Work two processes of `opts.threads` threads get done side by side over one alone's:
+    2.0 where the machine runs them fully in parallel; the ceiling of `speedup_2` here."""
+    times = []
+    for n in (1, 2):
+        procs = [_spawn(_throughput, settings, opts) for _ in range(n)]
+        try:
+            for _, c in procs:
+                _expect(c, "ready")
+            for _, c in procs:
+                c.send(("go",))
+            times.append(max(float(_expect(c, "took")[1]) for _, c in procs))
+        finally:
+            for p, _ in procs:
+                p.join(30)
+    return 2 * times[0] / times[1]
+
+
+def _stage(settings: Settings, opts: CppBenchOptions, n: int, index: int, conn: Connection) -> None:
+    asyncio.run(_stage_async(settings, opts, n, index, conn))
+
+
+async def _stage_async(
+    settings: Settings, opts: CppBenchOptions, n: int, index: int, conn: Connection
+) -> None:
+    """(Child.) Stage `index` of `n`: its inbox (not the first), its outbox (not the last),
+    then every chunk of the prompt through its layers."""
+    import torch
+
+    from mooncake.core.cpp import CppPlan
+    from mooncake.engine.stage import run_chunk
+    from mooncake.serving.activations import Inbox, Outbox, inbox_bytes, slot_bytes
+    from mooncake.store.segment import Segment
+    from mooncake.store.transfer import SegmentTable, make_client, make_server
+
+    engine = _engine(settings, opts)
+    spec = engine.spec
+    tokens = bench_prompt(opts.prompt_tokens, spec.vocab_size)
+    plan = CppPlan.of(spec.layers, n, 0, len(tokens), opts.chunk_tokens)
+    layers = plan.layers[index]
+    last = index == n - 1
+    secret = b"bench-cpp"
+    size = slot_bytes(opts.chunk_tokens, spec.hidden)
+    table, server, segment, inbox = SegmentTable(), None, None, None
+    if index > 0:
+        seg_id = f"cpp-{uuid.uuid4().hex[:8]}-{index}"
+        segment = Segment.create_dram(
+            seg_id, f"stage-{index}", inbox_bytes(opts.slots, opts.chunk_tokens, spec.hidden)
+        )
+        table.add(segment)
+        server = make_server(opts.transport, secret=secret)
+        await server.start(table)
+        inbox = Inbox(segment, opts.slots, size)
+        conn.send(("ready", server.endpoint(seg_id), seg_id))
+    else:
+        conn.send(("ready", None, None))
+    client = make_client(opts.transport, secret=secret)
+    try:
+        _, peer, peer_seg = conn.recv()  # the next stage's inbox
+        outbox = None if last else Outbox(client, peer, peer_seg, opts.slots, size)
+        # Warm-up on a sequence of its own (the first call of a process sets up its kernels).
+        warm_kv = engine.new_kv()
+        warm_in: Any = (
+            tokens[:WARM_TOKENS] if index == 0 else torch.zeros(1, WARM_TOKENS, spec.hidden)
+        )
+        run_chunk(engine, warm_kv, layers, 0, warm_in)
+        warm_kv.release()
+        conn.send(("warm",))
+        conn.recv()  # go
+        kv = engine.new_kv()
+        busy = []
+        for k, (a, b) in enumerate(plan.chunks):
+            chunk: Any = tokens[a:b] if inbox is None else (await inbox.receive())[None]
+            final = last and k == len(plan.chunks) - 1
+            t0 = time.perf_counter()
+            out = await asyncio.to_thread(run_chunk, engine, kv, layers, a, chunk, logits=final)
+            busy.append(time.perf_counter() - t0)
+            if outbox is not None:
+                await outbox.send(out)
+            elif final:
+                conn.send(("logits", out.float().tolist()))
+        conn.send(("busy", busy))
+    finally:
+        await client.close()
+        if server is not None:
+            await server.stop()
+        if segment is not None:
+            table.remove(segment.info.segment_id)
+            segment.close()
+
+
+def _spawn(target: Any, *args: Any) -> tuple[Any, Connection]:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    return proc, parent
+
+
+def _expect(conn: Connection, kind: str, timeout_s: float = 600.0) -> tuple[Any, ...]:
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"bench cpp: no {kind!r} from a worker within {timeout_s:g} s")
+    msg = conn.recv()
+    if msg[0] != kind:
+        raise RuntimeError(f"bench cpp: a worker said {msg[0]!r}, expected {kind!r}")
+    return tuple(msg)
+
+
+def run_single(settings: Settings, opts: CppBenchOptions) -> tuple[float, list[float]]:
+    proc, conn = _spawn(_single, settings, opts)
+    try:
+        _expect(conn, "ready")
+        t0 = time.perf_counter()
+        conn.send(("go",))
+        _, logits = _expect(conn, "logits")
+        return time.perf_counter() - t0, logits
+    finally:
+        proc.join(30)
+
+
+def run_pipeline(
+    settings: Settings, opts: CppBenchOptions, n: int
+) -> tuple[float, list[float], list[list[float]]]:
+    """Prefill time, logits and each stage's busy seconds per chunk."""
+    procs = [_spawn(_stage, settings, opts, n, i) for i in range(n)]
+    conns = [c for _, c in procs]
+    try:
+        ready = [_expect(c, "ready") for c in conns]
+        for i, c in enumerate(conns):
+            nxt = ready[i + 1] if i + 1 < n else ("ready", None, None)
+            c.send(("peer", nxt[1], nxt[2]))
+        for c in conns:
+            _expect(c, "warm")
+        t0 = time.perf_counter()
+        for c in conns:
+            c.send(("go",))
+        _, logits = _expect(conns[-1], "logits")
+        elapsed = time.perf_counter() - t0
+        busy = [list(_expect(c, "busy")[1]) for c in conns]
+        return elapsed, logits, busy
+    finally:
+        for p, _ in procs:
+            p.join(30)
+
+
+def run_cpp_bench(settings: Settings, opts: CppBenchOptions) -> dict[str, Any]:
+    import torch
+
+    from mooncake.model_info import model_spec
+
+    spec = model_spec(settings.engine)
+    if opts.prompt_tokens > spec.context:
+        raise ValueError(f"a prompt of {opts.prompt_tokens} tokens exceeds the context of "
+                         f"{spec.context}")  # fmt: skip
+    ttft_1, single = run_single(settings, opts)
+    ref = torch.tensor(single)
+    out: dict[str, Any] = {
+        "model": settings.engine.model, "prompt_tokens": opts.prompt_tokens,
+        "chunk_tokens": opts.chunk_tokens, "threads_per_worker": opts.threads,
+        "transport": opts.transport, "layers": spec.layers, "ttft_1_s": round(ttft_1, 3),
+    }  # fmt: skip
+    diffs = []
+    for n in opts.stages:
+        elapsed, logits, busy = run_pipeline(settings, opts, n)
+        got = torch.tensor(logits)
+        diffs.append(float((got - ref).abs().max()))
+        out[f"ttft_{n}_s"] = round(elapsed, 3)
+        out[f"speedup_{n}"] = round(ttft_1 / elapsed, 3)
+        out[f"argmax_same_{n}"] = bool(int(got.argmax()) == int(ref.argmax()))
+        out[f"stage_busy_{n}_s"] = [round(sum(b), 3) for b in busy]
+    out["logits_max_abs_diff"] = max(diffs) if diffs else None
+    out["cpu_count"] = multiprocessing.cpu_count()
+    out["parallel_2"] = round(parallel_2(settings, opts), 3)
+    if "speedup_2" in out:  # the pipeline's share of what two workers can do here
+        out["speedup_2_of_parallel_2"] = round(out["speedup_2"] / out["parallel_2"], 3)
+    return out
