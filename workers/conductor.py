@@ -211,9 +211,12 @@ class Conductor:
         if request.request_id in self._cancelled:
             return False
         check = delivered > 1 or self._clock() - self._started < TERMINAL_CHECK_AFTER_START_S
+        # Its own rejection's claim is not an end: an attempt that claimed it and died (or
+        # could not publish) before the rejection went out leaves it to this one to redo.
+        redo = dispatch.decision_event_id(request)
         first, ended = await asyncio.gather(
             self._first_submission(request),
-            terminal.ended(self._terminal, request.request_id) if check else _none(),
+            terminal.ended(self._terminal, request.request_id, redo=redo) if check else _none(),
         )
         if not first:
             log.info("duplicate submission of %s ignored", request.request_id)

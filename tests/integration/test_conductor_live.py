@@ -592,6 +592,17 @@ async def test_a_rejection_claims_the_end_and_a_cancel_that_came_first_wins(
         assert cl.of("request.rejected", "r-raced") == [] and cl.replies["r-raced"] == []
         assert await terminal.ended(kv, "r-raced") == "cancelled"
 
+        # An attempt that claimed a rejection and died before publishing it: this one
+        # publishes it (the claim is its own), not drops the request as ended.
+        half = cl.request("r-half-rejected", token_ids=tokens(64))
+        decision = dispatch.decision_event_id(half)
+        assert await terminal.claim(kv, "r-half-rejected", "rejected", decision)
+        conductor._started += 60.0  # the start-up check reads the slot, as after a restart
+        await cl.send(half)
+        got = await cl.outcome("r-half-rejected")
+        assert (got["type"], got["event_id"]) == ("request.rejected", decision)
+        conductor._started -= 60.0
+
         bad = cl.request("r-reply-to-us", token_ids=tokens(4))
         bad = bad.model_copy(update={"reply_to": cl.ns.subject("mc.req.x")})
         await Publisher(cl.nc, cl.js, cl.ns).publish(bad)
