@@ -165,7 +165,11 @@ class PrefillWorker:
         tier = EngineTier(self._ctx.nc, self._ctx.ns, self._ctx.instance_id, self.engine.pool.pages)
         announce = asyncio.create_task(tier.run())
         try:
-            await self.consumer.run(per_message(self.handle, "prefill"), self._ctx.stop)
+            handler = per_message(self.handle, "prefill")
+            # Work delivered past max_deliver (this instance killed while holding it, after
+            # tries the store refused) is tried once more, not dead-lettered: `_transient`
+            # fails it if that try fails too, so it ends either way.
+            await self.consumer.run(handler, self._ctx.stop, exhausted=handler)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -332,27 +332,44 @@ class PullConsumer:
     async def settle(self, d: Delivery, outcome: Outcome) -> None:
         await self._settle(d, outcome)  # a delivery `feed` handed over
 
-    async def run(self, handler: BatchHandler, stop: asyncio.Event) -> None:
+    async def run(
+        self, handler: BatchHandler, stop: asyncio.Event, exhausted: BatchHandler | None = None
+    ) -> None:
+        """Hand each batch to `handler`. A message delivered more than `max_deliver` times
+        goes to `exhausted` where one is given (a work queue whose handler ends the work
+        itself: a worker killed while holding a message spends its deliveries too, and
+        accepted work must end, not vanish into the dead-letter stream), else is
+        dead-lettered."""
         await self.start()
         try:
             while not stop.is_set():
                 await self._request_more()
                 deliveries = self._split(await self._next_batch())
                 if deliveries:
-                    await self._dispatch(deliveries, handler)
+                    await self._dispatch(deliveries, handler, exhausted)
         finally:
             await self.close()
 
-    async def _dispatch(self, deliveries: list[Delivery], handler: BatchHandler) -> None:
-        name = self.spec.durable
+    async def _dispatch(
+        self, deliveries: list[Delivery], handler: BatchHandler, exhausted: BatchHandler | None
+    ) -> None:
         live: list[Delivery] = []
+        spent: list[Delivery] = []
         for d in deliveries:
-            if d.num_delivered > self._bus.max_deliver:
-                await self._dead_letter(d, DeadLetter("max_deliver", f"{d.num_delivered} tries"))
-            else:
+            if d.num_delivered <= self._bus.max_deliver:
                 live.append(d)
-        if not live:
-            return
+            elif exhausted is not None:
+                spent.append(d)
+            else:
+                await self._dead_letter(d, DeadLetter("max_deliver", f"{d.num_delivered} tries"))
+        if spent:
+            assert exhausted is not None
+            await self._handle(spent, exhausted)
+        if live:
+            await self._handle(live, handler)
+
+    async def _handle(self, live: list[Delivery], handler: BatchHandler) -> None:
+        name = self.spec.durable
         started = time.perf_counter()
         try:
             outcomes = list(await handler(live))

@@ -180,6 +180,45 @@ async def test_retry_then_dead_letter_and_good_messages_flow(settings: Settings)
     assert seen["ok"] == 1
 
 
+async def test_a_work_queue_hands_exhausted_messages_to_its_handler_not_the_dead_letters(
+    settings: Settings,
+) -> None:
+    """With `exhausted`, a message delivered past max_deliver (its worker killed while
+    holding it, say) goes to that handler, which ends its work; nothing is dead-lettered."""
+    ns = ev.Namespace(settings.namespace)
+    bus = BusSettings(max_deliver=2, nak_base_delay_s=0.01, nak_max_delay_s=0.05)
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js, settings)
+    tries: list[int] = []
+    ended = asyncio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        tries.append(d.num_delivered)
+        return Retry("the store is down")
+
+    async def last_try(d: Delivery) -> Outcome:
+        tries.append(d.num_delivered)
+        ended.set()  # where the prefill worker fails the request (retries_exhausted)
+        return ACK
+
+    stop = asyncio.Event()
+    consumer = PullConsumer(nc, js, ConsumerSpec("MC_REQ", "w", "mc.req.submitted"), bus, ns)
+    task = asyncio.create_task(
+        consumer.run(per_message(handler, "w"), stop, exhausted=per_message(last_try, "w"))
+    )
+    try:
+        await Publisher(nc, js, ns).publish(ev.RequestSubmitted(request_id="work", prompt="x"))
+        await asyncio.wait_for(ended.wait(), 20)
+        info = await js.stream_info(ns.stream("MC_DLQ"))
+        assert info.state.messages == 0
+    finally:
+        stop.set()
+        await task
+        await nc.close()
+    assert tries == [1, 2, 3]
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 async def test_without_prefetch_a_long_handler_gets_each_message_once(
     settings: Settings, prefetch: bool
