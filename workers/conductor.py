@@ -433,7 +433,7 @@ class Conductor:
                 work_of.append((i, request, event))
             else:
                 assert isinstance(event, ev.RequestRejected)
-                if i in redelivered and not await self.ender.claim_rejections([event]) == [True]:
+                if i in redelivered and not await self.ender.claim_rejection(event):
                     log.warning("%s was rejected after it ended", request.request_id)
                 metrics.REQUESTS_REJECTED.labels(stages[i], event.reason.value).inc()
                 await self._reply(request, event)

@@ -77,10 +77,7 @@ class Ender:
 
     async def reject(self, event: ev.RequestRejected, *, reply_to: str | None) -> bool:
         """End the request with its rejection unless it ended first; True if this did."""
-        [claimed] = await self.claim_rejections([event])
-        if isinstance(claimed, BaseException):
-            raise claimed
-        if not claimed:
+        if not await self.claim_rejection(event):
             return False
         await self.publisher.publish(event)
         await reply(self.nc, reply_to, event.to_json())
@@ -92,8 +89,12 @@ class Ender:
         """The terminal slots of `events`' requests, claimed together (before the caller
         publishes them): True where the rejection ends its request, False where something
         ended it first (a cancel), the error where the claim could not be made."""
-        claims = (terminal.claim(self.kv, e.request_id, "rejected", e.event_id) for e in events)
+        claims = (self.claim_rejection(e) for e in events)
         return list(await asyncio.gather(*claims, return_exceptions=True))
+
+    async def claim_rejection(self, event: ev.RequestRejected) -> bool:
+        """The request's terminal slot for `event`: False where something ended it first."""
+        return await terminal.claim(self.kv, event.request_id, "rejected", event.event_id)
 
     async def fail(
         self,
