@@ -5,7 +5,8 @@
   kernel over the new tokens themselves (no pool read), otherwise the cached positions are
   read out of their pages once per layer and the new tokens attend to them and to
   themselves (on CUDA through the fused causal kernel aligned to the bottom right, no mask;
-  on the CPU with a mask per run of rows).
+  on the CPU as two flash calls merged by their log-sum-exps, `merged_suffix_attention`;
+  with a mask per run of rows only where this torch lacks that kernel).
 - `PagedDecode`: one new token per sequence for a whole batch. The new k, v go into each
   sequence's next page slot, then attention reads every sequence's pages through its block
   table: by the native kernel (engine.native) on the CPU in float32, else by gathering the
@@ -20,13 +21,15 @@ import torch
 from torch import Tensor
 
 from mooncake.engine import native
-from mooncake.engine.model import attention, causal_suffix_attention
+from mooncake.engine.model import attention, causal_suffix_attention, merged_suffix_attention
 from mooncake.engine.pool import KVPool, PagedKV
 
 # A prefill over a cached prefix attends in runs of this many query rows: the kernel makes a
 # float mask of [rows, keys] out of the boolean one, so an 8k-token prompt in one run held a
 # 256 MiB mask (and its 64 MiB boolean source) in every layer.
 PREFIX_QUERY_ROWS = 1024
+# False: the CPU masks in runs of rows even where the merged flash path is there (tests).
+MERGED_ON_CPU = True
 
 
 class PagedPrefill:
@@ -46,7 +49,8 @@ class PagedPrefill:
             return attention(q, keys, values, None, causal=False)
         if q.device.type == "cuda":  # a fused causal kernel, no mask (model.causal_suffix_...)
             return causal_suffix_attention(q, keys, values)
-        return self._over_prefix(q, keys, values)
+        merged = merged_suffix_attention(q, keys, values) if MERGED_ON_CPU else None
+        return merged if merged is not None else self._over_prefix(q, keys, values)
 
     def _over_prefix(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """The new tokens' attention over the cached positions and themselves, in runs of

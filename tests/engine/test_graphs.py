@@ -20,7 +20,7 @@ from mooncake.engine.graphs import (
     batch_bucket,
     width_bucket,
 )
-from mooncake.engine.model import attention, causal_suffix_attention
+from mooncake.engine.model import attention, causal_suffix_attention, merged_suffix_attention
 
 SPEC = ModelSpec(vocab_size=50, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, context=700)
 
@@ -137,6 +137,26 @@ def test_causal_suffix_attention_is_the_masked_one(new: int, total: int) -> None
     mask[:, total - new :].tril_()
     want = attention(q, k, v, mask[None, None])
     assert torch.allclose(causal_suffix_attention(q, k, v), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("new,total", [(1, 9), (5, 12), (64, 300), (100, 1124)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_suffix_attention_is_the_masked_one(
+    new: int, total: int, dtype: torch.dtype
+) -> None:
+    """The CPU's two flash calls merged by log-sum-exp equal the explicitly masked attention
+    (GQA, batch 2): the cached keys seen by every row, the new ones causally."""
+    g = torch.Generator().manual_seed(total)
+    q = torch.randn(2, 8, new, 16, generator=g).to(dtype)
+    k = torch.randn(2, 2, total, 16, generator=g).to(dtype)
+    v = torch.randn(2, 2, total, 16, generator=g).to(dtype)
+    mask = torch.ones((new, total), dtype=torch.bool)
+    mask[:, total - new :].tril_()
+    want = attention(q.float(), k.float(), v.float(), mask[None, None])
+    got = merged_suffix_attention(q, k, v)
+    assert got is not None and got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want, atol=tol), (got.float() - want).abs().max()
 
 
 def test_shapes_are_the_published_configs() -> None:

@@ -66,12 +66,13 @@ def test_prefill_from_cached_blocks_matches_full(
 def test_prefix_prefill_in_query_runs_matches_one_run(
     engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
-    """The attention over a cached prefix, in runs of `rows` query rows (the last one
-    shorter), gives what the full prefill gives: every run sees the whole prefix, the runs
-    before it, and itself causally."""
+    """The masked attention over a cached prefix (where torch lacks the merged CPU path), in
+    runs of `rows` query rows (the last one shorter), gives what the full prefill gives:
+    every run sees the whole prefix, the runs before it, and itself causally."""
     tokens = chat(PROMPT)
     full = engine.prefill(tokens, all_logits=True)
     blocks = engine.blocks(full.kv)
+    monkeypatch.setattr(paged, "MERGED_ON_CPU", False)
     monkeypatch.setattr(paged, "PREFIX_QUERY_ROWS", rows)
     prefix = engine.prefix_from_blocks(blocks[:2])
     part = engine.prefill(tokens, prefix=prefix, all_logits=True)
