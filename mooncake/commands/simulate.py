@@ -47,6 +47,14 @@ def simulate_run(
     decode: Annotated[int, typer.Option(help="mooncake decode instances")] = 8,
     instances: Annotated[int, typer.Option(help="Colocated baseline instances")] = 16,
     seed: Annotated[int, typer.Option()] = 0,
+    cpp_stages: Annotated[
+        int,
+        typer.Option(
+            help="mooncake: the largest group of prefill instances one prompt is prefilled "
+            "by (chunked pipeline parallelism); 1: none"
+        ),
+    ] = 1,
+    cpp_chunk: Annotated[int, typer.Option(help="Tokens of a CPP chunk")] = 1024,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Replay one trace through one system configuration and print its metrics."""
@@ -57,6 +65,7 @@ def simulate_run(
             trace, system, policy, speed=speed, limit=limit, prefill=prefill,
             decode=decode, instances=instances, seed=seed, cache_scope=cache_scope,
             scheduler=scheduler, ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+            cpp_stages=cpp_stages, cpp_chunk_tokens=cpp_chunk,
         )  # fmt: skip
     except (ValueError, OSError) as exc:
         err.print(f"[red]{exc}[/red]")

@@ -59,6 +59,7 @@ def decide(
             verdict = prefill_stage_check(
                 view, choice.prefill.id, req.prompt_tokens, choice.prefix_tokens,
                 choice.transfer_s, cfg, costs, now, margin=m,
+                stages=choice.stage_instances, group_prefill_s=choice.prefill_s,
             )  # fmt: skip
             return cd.decision_from(choice, policy, verdict.reason, cfg, stage="prefill", margin=m)
         case "early":
@@ -237,13 +238,21 @@ class StageVerdict:
 def prefill_stage_check(
     view: ClusterView, instance: str, prompt_tokens: int, cached_tokens: int,
     transfer_s: float, cfg: cd.ConductorConfig, costs: Costs, now: float, margin: float = 1.0,
+    stages: tuple[str, ...] = (), group_prefill_s: float | None = None,
 ) -> StageVerdict:  # fmt: skip
     """The prefill instance's check when the request reaches it: the prefix fetch, its queue
-    and this prefill (x `margin`, `conductor.ttft_margin`), against the TTFT limit."""
-    p = view.prefill.get(instance)
-    if p is None:
+    and this prefill (x `margin`, `conductor.ttft_margin`), against the TTFT limit. A CPP
+    group (`stages` after `instance`) waits for the last of its instances and takes the
+    pipeline's `group_prefill_s`."""
+    group = [view.prefill.get(i) for i in (instance, *stages)]
+    if any(p is None for p in group):
         return StageVerdict(False, float("inf"), float("inf"), RejectReason.NO_INSTANCE)
-    ttft = transfer_s + p.queue_s(now) + costs.prefill.prefill_s(prompt_tokens, cached_tokens)
+    queue = max(p.queue_s(now) for p in group if p is not None)
+    if stages and group_prefill_s is not None:
+        t_prefill = group_prefill_s
+    else:
+        t_prefill = costs.prefill.prefill_s(prompt_tokens, cached_tokens)
+    ttft = transfer_s + queue + t_prefill
     load = ttft * margin / cfg.ttft_slo_s
     reason = RejectReason.PREFILL_OVERLOADED if load > 1.0 else None
     return StageVerdict(reason is None, load, ttft, reason)

@@ -61,6 +61,9 @@ class Assigned:
     # Whether its TTFT is a sample of the cost model's error (`ttft_errors`): not while
     # the model rests on no measurement of the serving engine.
     sampled: bool = True
+    # CPP: the other prefill instances of its group (stages 1..), each held for the whole
+    # pipelined prefill from when the last of the group is free.
+    stage_instances: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +229,11 @@ class Inflight:
     admitted_at: float = 0.0
     predicted_ttft_s: float = 0.0  # at admission (the error sample's denominator)
     sampled: bool = True
+    stage_instances: tuple[str, ...] = ()  # CPP: the group's other prefill instances
+
+    @property
+    def prefill_group(self) -> tuple[str, ...]:
+        return (self.prefill_instance, *self.stage_instances)
 
 
 class ClusterView:
@@ -275,7 +283,7 @@ class ClusterView:
         return [
             r.request_id
             for r in self.inflight.values()
-            if instance in (r.prefill_instance, r.decode_instance)
+            if instance == r.decode_instance or instance in r.prefill_group
         ]
 
     def apply(self, fact: Fact, now: float) -> None:
@@ -331,12 +339,18 @@ class ClusterView:
         self.decode_order = tuple(self.decode[k] for k in sorted(self.decode))
 
     def _assigned(self, f: Assigned, now: float) -> None:
-        p = self.prefill.get(f.prefill_instance)
+        group = [self.prefill.get(i) for i in (f.prefill_instance, *f.stage_instances)]
         d = self.decode.get(f.decode_instance)
-        if p is None or d is None or f.request_id in self.inflight:
+        if None in group or d is None or f.request_id in self.inflight:
             return  # an instance left meanwhile, or a redelivered fact: nothing to add
-        p.queued[f.request_id] = f.predicted_prefill_s
-        p.queued_s += f.predicted_prefill_s
+        # A group starts when the last of it is free: each member's queue grows by its wait
+        # for that moment and the prefill (one instance: by the prefill).
+        start = max(p.queue_s(now) for p in group if p is not None)
+        for p in group:
+            assert p is not None
+            held = start - p.queue_s(now) + f.predicted_prefill_s
+            p.queued[f.request_id] = held
+            p.queued_s += held
         d.reserved_batch += 1
         d.reserved_tokens += f.prompt_tokens
         self.inflight[f.request_id] = Inflight(
@@ -350,30 +364,38 @@ class ClusterView:
             admitted_at=now,
             predicted_ttft_s=f.predicted_ttft_s,
             sampled=f.sampled,
+            stage_instances=f.stage_instances,
         )
 
-    def _dequeue(self, r: Inflight) -> PrefillInstance | None:
-        p = self.prefill.get(r.prefill_instance)
-        if p is not None and r.request_id in p.queued:
-            p.queued_s -= p.queued.pop(r.request_id)
-            if not p.queued:
-                p.queued_s = 0.0  # no float drift accumulates across an idle period
-        return p
+    def _dequeue(self, r: Inflight) -> list[PrefillInstance]:
+        """Take `r` off the queue of every instance of its prefill group; those still here."""
+        out = []
+        for iid in r.prefill_group:
+            p = self.prefill.get(iid)
+            if p is None:
+                continue
+            out.append(p)
+            if r.request_id in p.queued:
+                p.queued_s -= p.queued.pop(r.request_id)
+                if not p.queued:
+                    p.queued_s = 0.0  # no float drift accumulates across an idle period
+        return out
 
     def _prefill_started(self, rid: str, now: float) -> None:
         r = self.inflight.get(rid)
         if r is None or r.phase != "queued":
             return
-        p = self._dequeue(r)
+        group = self._dequeue(r)
         r.phase = "prefilling"
-        if p is not None:
+        for p in group:
             p.running, p.running_ends_at = rid, now + r.predicted_prefill_s
-            r.prefill_done_at = p.running_ends_at
+        if group:
+            r.prefill_done_at = now + r.predicted_prefill_s
 
     def _end_prefill(self, r: Inflight) -> None:
-        p = self._dequeue(r)
-        if p is not None and p.running == r.request_id:
-            p.running = None
+        for p in self._dequeue(r):
+            if p.running == r.request_id:
+                p.running = None
 
     def _prefill_finished(self, rid: str, now: float) -> None:
         r = self.inflight.get(rid)
@@ -389,10 +411,12 @@ class ClusterView:
         `prefill_s(prompt, cached)`, so the queue a new request waits behind is the new
         model's, not the sum of whatever each queued request was admitted with. A queued
         request's predicted prefill end moves by the change of everything ahead of it on
-        its instance and of its own prefill (the queue is FCFS)."""
+        its instance and of its own prefill (the queue is FCFS). A group's (CPP) pipelined
+        prefill keeps its prediction: `prefill_s` prices one instance's."""
         for p in self.prefill_order:
             shift = 0.0
-            if p.running is not None and (r := self.inflight.get(p.running)) is not None:
+            r = self.inflight.get(p.running) if p.running is not None else None
+            if r is not None and not r.stage_instances:
                 new = prefill_s(r.context_tokens, r.cached_tokens)
                 shift = new - r.predicted_prefill_s
                 r.predicted_prefill_s = new
@@ -401,7 +425,7 @@ class ClusterView:
             total = 0.0
             for rid in p.queued:
                 q = self.inflight.get(rid)
-                if q is None:
+                if q is None or q.stage_instances:
                     total += p.queued[rid]
                     continue
                 new = prefill_s(q.context_tokens, q.cached_tokens)

@@ -65,6 +65,7 @@ from typing import Any
 from mooncake.core.block_index import PrefixMatch
 from mooncake.core.cluster import Assigned, ClusterView, DecodeInstance, PrefillInstance
 from mooncake.core.cost_model import Costs
+from mooncake.core.cpp import CppConfig, CppGroup, choose_group
 from mooncake.events import RejectReason
 
 
@@ -83,6 +84,9 @@ class ConductorConfig:
     # Rejecting policies judge predicted TTFT x this quantile of observed / predicted TTFT
     # of the latest requests (core/ttft_error.py); None judges the prediction as it is.
     ttft_margin_quantile: float | None = 0.9
+    # Chunked pipeline parallelism (core/cpp.py): when a prefill runs on a group of
+    # instances; the default (max_stages 1) never groups.
+    cpp: CppConfig = field(default_factory=CppConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +133,9 @@ class Choice:
     copy: CopyBlocks | None
     candidates: tuple[PrefillCandidate, ...]
     decode_candidates: tuple[DecodeCandidate, ...]
+    # CPP: the group's other prefill instances, stages 1.. (`prefill` is stage 0); queue_s
+    # is then when the last of them is free and prefill_s the pipeline's.
+    stage_instances: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +166,8 @@ class Decision:
     decode_candidates: tuple[DecodeCandidate, ...] = ()
     # Policy-specific inputs (e.g. the predicted per-instance decode loads), name -> number.
     extra: tuple[tuple[str, float], ...] = ()
+    # CPP: the prefill group's stages after `prefill_instance` (stage 0); () = one instance.
+    stage_instances: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable; what `RequestAdmitted.inputs` / `RequestRejected.inputs` hold.
@@ -171,6 +180,7 @@ class Decision:
         d["candidates"] = [list(c) for c in self.candidates]
         d["decode_candidates"] = [list(c) for c in self.decode_candidates]
         d["extra"] = dict(self.extra)
+        d["stage_instances"] = list(self.stage_instances)
         if self.copy is not None:
             d["copy"] = {
                 "target_node": self.copy.target_node,
@@ -307,9 +317,36 @@ def choose(
         copy = CopyBlocks(p.node, req.keys[local:prefix], tuple(sorted(match.full_holders)))
     tokens = prefix_tokens(prefix, req.prompt_tokens, cfg.block_tokens)
     tbt = batch_tbt_s(view, costs, d.batch + 1, d.context_tokens + req.prompt_tokens)
+    t_prefill, members = ttft - transfer - queue, tuple[str, ...]()
+    if (g := group_for(view, p, tokens, req.prompt_tokens, queue, cfg, costs, now)) is not None:
+        queue, t_prefill, members = g.queue_s, g.prefill_s, g.members
+        ttft = transfer + queue + t_prefill
     return Choice(
         req, now, p, d, local, match.best_blocks, prefix, tokens, transfer, queue,
-        ttft - transfer - queue, ttft, tbt, copy, candidates, decodes,
+        t_prefill, ttft, tbt, copy, candidates, decodes, members,
+    )  # fmt: skip
+
+
+def group_for(
+    view: ClusterView,
+    leader: PrefillInstance,
+    cached_tokens: int,
+    prompt_tokens: int,
+    leader_queue_s: float,
+    cfg: ConductorConfig,
+    costs: Costs,
+    now: float,
+) -> CppGroup | None:
+    """CPP (core/cpp.py): the group led by Algorithm 1's instance that prefills the request
+    sooner than it alone, with the least-queued other instances, or None. Every stage reuses
+    the same cached prefix (each loads its own layers of the blocks)."""
+    if cfg.cpp.max_stages < 2 or prompt_tokens - cached_tokens <= cfg.cpp.chunk_tokens:
+        return None
+    others = [(q.queue_s(now), q.id) for q in view.prefill_order if q.id != leader.id]
+    hop = costs.activation.transfer_s(cfg.cpp.chunk_tokens) if costs.activation else 0.0
+    return choose_group(
+        costs.prefill.prefill_s, cfg.cpp, start=cached_tokens, end=prompt_tokens,
+        leader_queue_s=leader_queue_s, others=others, hop_s=hop,
     )  # fmt: skip
 
 
@@ -359,6 +396,7 @@ def decision_from(
         candidates=c.candidates,
         decode_candidates=c.decode_candidates,
         extra=extra,
+        stage_instances=c.stage_instances,
     )
 
 
@@ -376,7 +414,7 @@ def rejection_detail(d: Decision) -> str:
     tbt = f"{d.predicted_tbt_s * 1000:.0f} ms" if d.predicted_tbt_s is not None else "unknown"
     ttft_parts = (
         f"queue {d.queue_s:.2f} s + transfer {d.transfer_s:.2f} s + prefill {d.prefill_s:.2f} s"
-        f" on {d.prefill_instance}"
+        f" on {'+'.join((str(d.prefill_instance), *d.stage_instances))}"
     )
     tbt_slo, ttft_slo = f"{cfg.tbt_slo_s * 1000:.0f} ms", f"{cfg.ttft_slo_s:g} s"
     match d.reason:
@@ -475,4 +513,5 @@ def assignment(decision: Decision, *, sampled: bool = True) -> Assigned | None:
         decision.predicted_ttft_s,
         cached_tokens=decision.prefix_tokens,
         sampled=sampled,
+        stage_instances=decision.stage_instances,
     )

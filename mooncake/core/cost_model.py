@@ -289,8 +289,15 @@ class Costs:
     prefill: PrefillModel
     decode: DecodeModel
     transfer: TransferModel
+    # One chunk's activations from a pipeline stage to the next (CPP, core/cpp.py): the
+    # hidden state of each token; None: not known, counted as free.
+    activation: TransferModel | None = None
 
 
 def reference_costs(hw: Hardware = A800_X8, model: ModelShape = LLAMA3_70B) -> Costs:
     analytic = AnalyticCostModel(model, hw)
-    return Costs(analytic, analytic, TransferModel.for_hardware(model, hw))
+    kv = TransferModel.for_hardware(model, hw)
+    # A token's hidden state (hidden x dtype bytes: 16 KiB for LLaMA3-70B, 1/20 of its KV)
+    # over the same NIC at the same efficiency and latency as KV.
+    act = TransferModel(kv.bandwidth_bytes_per_s, kv.latency_s, model.hidden * model.dtype_bytes)
+    return Costs(analytic, analytic, kv, act)

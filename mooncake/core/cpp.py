@@ -93,41 +93,81 @@ def cpp_ttft_s(
     earlier ones costs (its attention grows with them), shared by the stages in proportion
     to their layers; the chunks then flow through the pipeline."""
     per_chunk = [prefill_s(b, a) for a, b in plan.chunks]
-    stage_s = [[t * (e - f) / model_layers for t in per_chunk] for f, e in plan.layers]
+    return _split_s(per_chunk, plan.layers, model_layers, hop_s)
+
+
+def _split_s(
+    per_chunk: Sequence[float], layers: Sequence[tuple[int, int]], model_layers: int, hop_s: float
+) -> float:
+    """The pipeline's finish with each chunk's one-worker time shared by the stages in
+    proportion to their layers."""
+    stage_s = [[t * (e - f) / model_layers for t in per_chunk] for f, e in layers]
     return pipeline_finish_s(stage_s, hop_s)
 
 
 @dataclass(frozen=True, slots=True)
-class CppChoice:
-    """A group size and its predicted prefill time (stages 1: no pipeline)."""
+class CppConfig:
+    """When the Conductor prefills a request on a group (`choose_group`)."""
 
-    stages: int
+    max_stages: int = 1  # the largest group; 1: every prefill on one worker
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    layers: int = 80  # the served model's layers (LLaMA3-70B's: the reference costs')
+    # A group must cut the request's TTFT by this factor: it holds X workers for it.
+    min_gain: float = 1.2
+    # ... and keep this share of the X workers' time busy with it (the one worker's prefill
+    # over X x the group's, the members' wait for the last of them to be free counted as
+    # spent): the rest is lost to the pipeline's fill, the hops and the gang's alignment,
+    # capacity every other request would have had.
+    min_efficiency: float = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class CppGroup:
+    """A prefill on `1 + len(members)` stages: the leader (stage 0) and `members` (stages
+    1..), starting when the last of them is free (`queue_s` from now)."""
+
+    members: tuple[str, ...]
+    queue_s: float
     prefill_s: float
 
+    @property
+    def stages(self) -> int:
+        return 1 + len(self.members)
 
-def choose_stages(
+
+def choose_group(
     prefill_s: PrefillCost,
+    cfg: CppConfig,
     *,
     start: int,
     end: int,
-    model_layers: int,
-    available: int,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    leader_queue_s: float,
+    others: Sequence[tuple[float, str]],
     hop_s: float = 0.0,
-    min_gain: float = 1.2,
-) -> CppChoice:
-    """The group size for a prefill of positions [start, end): the size whose pipeline
-    finishes first, among 1 .. `available` (at most one chunk per stage would leave stages
-    idle), unless it beats one worker by less than `min_gain` (a group holds X workers for
-    the request: it must pay for them). A prompt of one chunk runs on one worker."""
+) -> CppGroup | None:
+    """The group that prefills positions [start, end) soonest, led by the worker Algorithm 1
+    chose (queue `leader_queue_s`) with the least-queued of `others` ((queue s, id) of every
+    other prefill worker), or None where one worker is as good: no group whose TTFT beats
+    the leader's own by `cfg.min_gain` while keeping `cfg.min_efficiency` of its workers'
+    time busy. A prompt of one chunk runs on one worker."""
+    if cfg.max_stages < 2 or not others:
+        return None
+    chunks = chunk_ranges(start, end, cfg.chunk_tokens)
+    if len(chunks) < 2:
+        return None
     single = prefill_s(end, start)
-    best = CppChoice(1, single)
-    chunks = len(chunk_ranges(start, end, chunk_tokens))
-    for stages in range(2, min(available, chunks, model_layers) + 1):
-        plan = CppPlan.of(model_layers, stages, start, end, chunk_tokens)
-        t = cpp_ttft_s(prefill_s, plan, model_layers, hop_s)
-        if t < best.prefill_s:
-            best = CppChoice(stages, t)
-    if best.stages > 1 and single < min_gain * best.prefill_s:
-        return CppChoice(1, single)
+    per_chunk = [prefill_s(b, a) for a, b in chunks]
+    ranked = sorted(others)
+    best: CppGroup | None = None
+    limit = min(cfg.max_stages, len(ranked) + 1, len(chunks), cfg.layers)
+    for stages in range(2, limit + 1):
+        picked = ranked[: stages - 1]
+        queue = max(leader_queue_s, picked[-1][0])
+        t = _split_s(per_chunk, layer_ranges(cfg.layers, stages), cfg.layers, hop_s)
+        waits = (queue - leader_queue_s) + sum(queue - q for q, _ in picked)
+        efficiency = single / (stages * t + waits)
+        if efficiency < cfg.min_efficiency or leader_queue_s + single < cfg.min_gain * (queue + t):
+            continue
+        if best is None or queue + t < best.queue_s + best.prefill_s:
+            best = CppGroup(tuple(i for _, i in picked), queue, t)
     return best

@@ -27,6 +27,8 @@ def run_one(
     scheduler: str = "conductor",
     ttft_slo_s: float = 30.0,
     tbt_slo_s: float = 0.1,
+    cpp_stages: int = 1,
+    cpp_chunk_tokens: int = 1024,
 ) -> dict[str, Any]:
     """One run; every argument is checked here, so a bad one is a ValueError naming it
     (the CLI's exit code 2), never a failure deep in the simulation."""
@@ -41,7 +43,10 @@ def run_one(
     for name, num in (("--speed", speed), ("--ttft-slo", ttft_slo_s), ("--tbt-slo", tbt_slo_s)):
         if not num > 0:
             raise ValueError(f"{name} must be > 0, got {num}")
-    for name, count in (("--prefill", prefill), ("--decode", decode), ("--instances", instances)):
+    for name, count in (
+        ("--prefill", prefill), ("--decode", decode), ("--instances", instances),
+        ("--cpp-stages", cpp_stages), ("--cpp-chunk", cpp_chunk_tokens),
+    ):  # fmt: skip
         if count < 1:
             raise ValueError(f"{name} must be >= 1, got {count}")
     cfg = SimConfig(
@@ -56,6 +61,8 @@ def run_one(
         scheduler=scheduler,  # type: ignore[arg-type]
         ttft_slo_s=ttft_slo_s,
         tbt_slo_s=tbt_slo_s,
+        cpp_stages=cpp_stages,
+        cpp_chunk_tokens=cpp_chunk_tokens,
     )
     res = run_simulation(load_trace(trace, limit=limit), cfg)
     mooncake = system == "mooncake"
@@ -64,6 +71,7 @@ def run_one(
         "policy": policy if mooncake else None,
         "cache_scope": cache_scope if mooncake else None,
         "scheduler": scheduler if mooncake else None,
+        "cpp_stages": cpp_stages if mooncake else None,
         "ttft_slo_s": ttft_slo_s,
         "tbt_slo_s": tbt_slo_s,
     }

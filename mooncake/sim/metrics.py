@@ -5,7 +5,9 @@
 - goodput: requests that finished inside both SLOs (the run's TTFT and TBT limits);
 - hit rate: prefix tokens reused / prompt tokens, over the requests that were prefilled;
 - prefill compute: summed GPU seconds of prefill (transfers excluded);
-- preemptions: times a decode instance preempted a request for KV pages (all requests).
+- preemptions: times a decode instance preempted a request for KV pages (all requests);
+- long prompts (>= LONG_PROMPT_TOKENS): their TTFTs apart (what chunked pipeline
+  parallelism is for, core/cpp.py), and how many prefills ran on a group.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from mooncake.core.quantile import quantile
 from mooncake.sim.request import SimRequest, tbt_score
 
 TBT_THRESHOLDS_MS = (100, 200, 300)
+LONG_PROMPT_TOKENS = 32_768  # "prompts >= 32k tokens" (issue 19)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -50,6 +53,7 @@ def summarize(reqs: list[SimRequest], ttft_slo_s: float, tbt_slo_s: float) -> di
         "effective_capacity": capacity,
         "ttft_mean_s": _mean(ttfts),
         "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p90_s": _pct(ttfts, 0.9),
         "ttft_p99_s": _pct(ttfts, 0.99),
         "tbt_mean_s": _mean(tbts),
         "tbt_p50_s": _pct(tbts, 0.5),
@@ -60,4 +64,19 @@ def summarize(reqs: list[SimRequest], ttft_slo_s: float, tbt_slo_s: float) -> di
         "prompt_tokens": prompt,
         "preemptions": sum(r.preemptions for r in reqs),
         "preempted_requests": sum(1 for r in reqs if r.preemptions),
+        "cpp_prefills": sum(1 for r in prefilled if r.prefill_stages > 1),
+        "long_prompts": _long(reqs, done),
+    }
+
+
+def _long(reqs: list[SimRequest], done: list[SimRequest]) -> dict[str, Any]:
+    """TTFT of the completed requests whose prompt is >= LONG_PROMPT_TOKENS."""
+    ttfts = [r.ttft for r in done if r.prompt >= LONG_PROMPT_TOKENS and r.ttft is not None]
+    return {
+        "min_prompt_tokens": LONG_PROMPT_TOKENS,
+        "requests": sum(1 for r in reqs if r.prompt >= LONG_PROMPT_TOKENS),
+        "completed": len(ttfts),
+        "ttft_mean_s": _mean(ttfts),
+        "ttft_p90_s": _pct(ttfts, 0.9),
+        "ttft_p99_s": _pct(ttfts, 0.99),
     }

@@ -24,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake.core import admission
 from mooncake.core import cluster as cl
 from mooncake.core import conductor as cd
 from mooncake.core.cost_model import Costs
+from mooncake.core.cpp import CppConfig, CppPlan, cpp_ttft_s
 from mooncake.sim.cache import LRUBlocks
 from mooncake.sim.decode import DecodeHooks, DecodeWorker, KvPool
 from mooncake.sim.loop import EventLoop
@@ -38,11 +40,23 @@ from mooncake.sim.request import SimRequest
 if TYPE_CHECKING:
     from mooncake.sim.runner import SimConfig
 
-Job = tuple[SimRequest, cd.Decision]
+
+@dataclass(slots=True)
+class Job:
+    """A prefill: on one instance, or on a CPP group (`members`: stage 0 first) that starts
+    it together once every member has reached it in its queue (gang scheduling)."""
+
+    req: SimRequest
+    decision: cd.Decision
+    members: tuple[str, ...]
+    waiting: set[str] = field(default_factory=set)
 
 
 class PrefillWorker:
-    """One prefill instance: an FCFS queue, one prefill at a time."""
+    """One prefill instance: an FCFS queue, one prefill at a time. A group's job waits at the
+    head of each member's queue until all of them are there: every job is queued on its
+    members at its arrival, so every queue holds the jobs in the same order and no two groups
+    wait on each other."""
 
     def __init__(self, iid: str, system: MooncakeSystem) -> None:
         self.id = iid
@@ -60,13 +74,20 @@ class PrefillWorker:
             self.busy = False
             return
         self.busy = True
-        req, decision = self.queue.popleft()
-        duration = self.system.start_prefill(self.id, req, decision)
-        self.system.loop.after(duration, self._finished, req, decision)
+        job = self.queue[0]
+        job.waiting.add(self.id)
+        if len(job.waiting) < len(job.members):
+            return  # held for the rest of its group
+        workers = [self.system.prefill[m] for m in job.members]
+        for w in workers:
+            w.queue.popleft()
+        duration = self.system.start_prefill(job.members, job.req, job.decision)
+        self.system.loop.after(duration, self._finished, job, workers)
 
-    def _finished(self, req: SimRequest, decision: cd.Decision) -> None:
-        self.system.prefilled(self.id, req, decision)
-        self._next()
+    def _finished(self, job: Job, workers: list[PrefillWorker]) -> None:
+        self.system.prefilled(job.members[0], job.req, job.decision)
+        for w in workers:
+            w._next()
 
 
 class MooncakeSystem:
@@ -80,6 +101,7 @@ class MooncakeSystem:
             ttft_slo_s=cfg.ttft_slo_s,
             tbt_slo_s=cfg.tbt_slo_s,
             uniform_decode_s=cfg.uniform_decode_s,
+            cpp=CppConfig(max_stages=cfg.cpp_stages, chunk_tokens=cfg.cpp_chunk_tokens),
         )
         self.view = cl.ClusterView()
         self.caches: dict[str, LRUBlocks] = {}
@@ -117,7 +139,10 @@ class MooncakeSystem:
         assert fact is not None
         self.view.apply(fact, now)
         self.took_remote += decision.takes_remote
-        self.prefill[fact.prefill_instance].submit((req, decision))
+        job = Job(req, decision, (fact.prefill_instance, *fact.stage_instances))
+        req.prefill_stages = len(job.members)
+        for m in job.members:
+            self.prefill[m].submit(job)
 
     def _random_instance(self, d: cd.Decision, sreq: cd.ScheduleRequest, now: float) -> cd.Decision:
         """The `random` scheduler of FAST'25 Fig. 5: any prefill instance, local prefix only."""
@@ -129,6 +154,7 @@ class MooncakeSystem:
         return dataclasses.replace(
             d, prefill_instance=p.id, prefix_tokens=tokens, takes_remote=False, copy=None,
             transfer_s=0.0, queue_s=p.queue_s(now), prefill_s=t_prefill, predicted_ttft_s=ttft,
+            stage_instances=(),
         )  # fmt: skip
 
     def _reject(self, req: SimRequest, stage: str, reason: str) -> None:
@@ -137,8 +163,12 @@ class MooncakeSystem:
 
     # --- prefill ---------------------------------------------------------------------------
 
-    def start_prefill(self, pid: str, req: SimRequest, decision: cd.Decision) -> float:
-        """Seconds the prefill takes, with the prefix that is really there now."""
+    def start_prefill(
+        self, group: tuple[str, ...], req: SimRequest, decision: cd.Decision
+    ) -> float:
+        """Seconds the prefill takes on `group` (stage 0 first), with the prefix that is
+        really there now on stage 0's node (every stage loads its layers of it)."""
+        pid = group[0]
         self.view.apply(cl.PrefillStarted(req.rid), self.loop.now)
         local = self.caches[pid].prefix_blocks(req.keys)
         prefix = local
@@ -150,10 +180,20 @@ class MooncakeSystem:
         if prefix > local:
             moved = cd.prefix_tokens(prefix - local, req.prompt, bt)
             transfer = self.costs.transfer.transfer_s(moved)
-        compute = self.costs.prefill.prefill_s(req.prompt, tokens)
+        compute = self._compute_s(len(group), req.prompt, tokens)
         req.reused_tokens = tokens
         req.prefill_compute_s = compute
         return transfer + compute
+
+    def _compute_s(self, stages: int, prompt: int, cached: int) -> float:
+        """One instance's prefill, or the pipeline's over `stages` (core/cpp.py)."""
+        if stages == 1:
+            return self.costs.prefill.prefill_s(prompt, cached)
+        cpp = self.ccfg.cpp
+        plan = CppPlan.of(cpp.layers, stages, cached, prompt, cpp.chunk_tokens)
+        act = self.costs.activation
+        hop = act.transfer_s(cpp.chunk_tokens) if act is not None else 0.0
+        return cpp_ttft_s(self.costs.prefill.prefill_s, plan, cpp.layers, hop)
 
     def prefilled(self, pid: str, req: SimRequest, decision: cd.Decision) -> None:
         now = self.loop.now

@@ -105,6 +105,33 @@ def pd_md(r: dict[str, Any]) -> str:
     return "## P:D ratio on 16 nodes (synthetic, TTFT 10 s, TBT 100 ms)\n\n" + table(head, rows)
 
 
+def cpp_md(r: dict[str, Any]) -> str:
+    c = r.get("cpp")
+    if not c:
+        return ""
+    rows = []
+    for trace, by_policy in c.items():
+        if not isinstance(by_policy, dict):
+            continue
+        for policy, row in by_policy.items():
+            off, on = row["off"], row["on"]
+            rows.append([
+                trace, policy,
+                f"{off['long_ttft_p90_s']} -> {on['long_ttft_p90_s']}",
+                f"{off['long_ttft_p99_s']} -> {on['long_ttft_p99_s']}",
+                f"{off['ttft_mean_s']} -> {on['ttft_mean_s']}",
+                f"{off['rejected']} -> {on['rejected']}", on["cpp_prefills"],
+            ])  # fmt: skip
+    head = [
+        "trace", "policy", f"TTFT p90 s, prompts >= {c['long_prompt_tokens']}", "... p99 s",
+        "mean TTFT s (all)", "rejected", "prefills on a group",
+    ]  # fmt: skip
+    return (
+        f"## Chunked pipeline parallelism (8P+8D, groups of up to {c['max_stages']}; "
+        "without -> with)\n\n" + table(head, rows)
+    )
+
+
 def write_report(
     r: dict[str, Any], samples: dict[str, list[tuple[float, float, float]]], out: Path
 ) -> list[Path]:
@@ -115,7 +142,10 @@ def write_report(
         "`scheduling.png`, `overload.png`, `load_<setup>.png`, `pd_ratio.png`; the load "
         "series are also in the CSV files.\n"
     )
-    body = [head, hit_rate_md(r), capacity_md(r), scheduling_md(r), overload_md(r), pd_md(r)]
+    body = [
+        head, hit_rate_md(r), capacity_md(r), scheduling_md(r), overload_md(r), pd_md(r),
+        cpp_md(r),
+    ]  # fmt: skip
     md = out / "paper.md"
     md.write_text("\n\n".join(body) + "\n", encoding="utf-8")
     written = [md]

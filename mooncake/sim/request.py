@@ -31,6 +31,7 @@ class SimRequest:
     prefill_compute_s: float = 0.0
     wasted_prefill: bool = False
     preemptions: int = 0  # times a decode instance preempted it for KV pages
+    prefill_stages: int = 1  # prefill instances that ran it (CPP group), 1: one
 
     def first_token(self, now: float) -> None:
         self.first_token_at = self.last_token_at = now

@@ -54,6 +54,10 @@ class SimConfig:
     tbt_slo_s: float = 0.1
     uniform_decode_s: float = 10.0
     sample_every_s: float = 0.0  # > 0: record (t, prefill load, decode load) (mooncake)
+    # mooncake: chunked pipeline parallelism (core/cpp.py): the largest prefill group (1:
+    # none) and its chunks.
+    cpp_stages: int = 1
+    cpp_chunk_tokens: int = 1024
     costs: Costs | None = field(default=None, compare=False)
 
 

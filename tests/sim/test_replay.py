@@ -116,6 +116,7 @@ def test_cli_simulate_run_takes_the_scope_scheduler_and_slos() -> None:
         ("--ttft-slo", "-1"),
         ("--speed", "0"),
         ("--decode", "0"),
+        ("--cpp-stages", "0"),
     ],
 )
 def test_cli_simulate_run_rejects_bad_values_with_exit_2(bad: tuple[str, str]) -> None:
@@ -132,6 +133,16 @@ def test_report_writes_markdown(tmp_path: Path) -> None:
     written = write_report(fake, {"x": [(0.0, 0.1, 0.2)]}, tmp_path)
     text = written[0].read_text()
     assert "Global pool vs local caches" in text and "| mooncake |" in text
+    assert "Chunked pipeline" not in text  # a result from before CPP was simulated
+    side = {"long_ttft_p90_s": 9.0, "long_ttft_p99_s": 20.0, "ttft_mean_s": 1.5,
+            "rejected": 3, "cpp_prefills": 0}  # fmt: skip
+    fake["cpp"] = {
+        "conversation": {"none": {"off": side, "on": {**side, "long_ttft_p99_s": 8.5,
+                                                      "cpp_prefills": 70}}},
+        "long_prompt_tokens": 32768, "max_stages": 8,
+    }  # fmt: skip
+    text = write_report(fake, {}, tmp_path)[0].read_text()
+    assert "| conversation | none | 9.0 -> 9.0 | 20.0 -> 8.5 | 1.5 -> 1.5 | 3 -> 3 | 70 |" in text
     assert (tmp_path / "load_x.csv").read_text().startswith("t_s,prefill_load,decode_load")
 
 

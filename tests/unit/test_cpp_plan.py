@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake.core.cpp import (
+    CppConfig,
     CppPlan,
-    choose_stages,
+    choose_group,
     chunk_ranges,
     cpp_ttft_s,
     layer_ranges,
@@ -82,12 +83,65 @@ def test_cpp_ttft_splits_each_chunk_over_the_stages() -> None:
     assert two == pytest.approx(sum(per_chunk) / 2 + per_chunk[-1] / 2)
 
 
-def test_choose_stages_takes_a_group_only_where_it_pays() -> None:
-    long = choose_stages(quadratic, start=0, end=32768, model_layers=30, available=4)
-    assert long.stages == 4 and long.prefill_s < quadratic(32768, 0) / 3
-    short = choose_stages(quadratic, start=0, end=900, model_layers=30, available=4)
-    assert short.stages == 1  # one chunk: nothing to pipeline
+IDLE = [(0.0, "p1"), (0.0, "p2"), (0.0, "p3")]
+
+
+def group(end: int, others=IDLE, *, leader_q: float = 0.0, hop: float = 0.0, **cfg):  # type: ignore[no-untyped-def]
+    conf = CppConfig(**{"max_stages": 4, "layers": 30, **cfg})
+    return choose_group(quadratic, conf, start=0, end=end, leader_queue_s=leader_q,
+                        others=others, hop_s=hop)  # fmt: skip
+
+
+def test_choose_group_takes_a_group_only_where_it_pays() -> None:
+    long = group(32768)
+    assert long is not None and long.stages == 4 and long.members == ("p1", "p2", "p3")
+    assert long.queue_s == 0.0 and long.prefill_s < quadratic(32768, 0) / 3
+    assert group(900) is None  # one chunk: nothing to pipeline
     # A hop that costs as much as a chunk's compute: not worth a group.
-    costly = choose_stages(quadratic, start=0, end=4096, model_layers=30, available=2, hop_s=1.0)
-    assert costly.stages == 1
-    assert choose_stages(quadratic, start=0, end=32768, model_layers=30, available=1).stages == 1
+    assert group(4096, hop=1.0) is None
+    assert group(32768, others=[]) is None
+    assert group(32768, max_stages=1) is None
+    # Too few chunks for 4 stages to stay busy (efficiency 4 / (4 + 3) < 0.75): 2 stages.
+    few = group(4096)
+    assert few is not None and few.stages == 2
+
+
+def test_choose_group_waits_for_busy_members_only_where_it_pays() -> None:
+    single = quadratic(32768, 0)
+    # The least-queued others first; one busy for a while is left out.
+    g = group(32768, [(0.0, "p3"), (single, "p1"), (0.0, "p2")])
+    assert g is not None and g.members == ("p2", "p3")
+    # Everyone else busy for most of the prefill: the wait eats the gain.
+    assert group(32768, [(0.9 * single, "p1"), (0.9 * single, "p2")]) is None
+    # A leader busy for longer than the prefill and others idle: they would idle until it is
+    # free, more of their time than the pipeline saves (efficiency 0.2).
+    assert group(32768, leader_q=5.0) is None
+    # ... busy for a moment: the gang starts when it is free.
+    g = group(32768, leader_q=0.01)
+    assert g is not None and g.queue_s == 0.01 and g.stages == 4
+    # min_gain binds: a group that is only a little faster is not taken.
+    assert group(32768, min_gain=100.0) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    end=st.integers(1, 200_000),
+    queues=st.lists(st.floats(0, 100), min_size=0, max_size=7),
+    leader_q=st.floats(0, 100),
+    hop=st.floats(0, 0.5),
+)
+def test_a_chosen_group_beats_the_leader_alone_and_keeps_its_workers_busy(
+    end: int, queues: list[float], leader_q: float, hop: float
+) -> None:
+    others = [(q, f"p{i}") for i, q in enumerate(queues)]
+    conf = CppConfig(max_stages=8, layers=30)
+    g = choose_group(quadratic, conf, start=0, end=end, leader_queue_s=leader_q,
+                     others=others, hop_s=hop)  # fmt: skip
+    if g is None:
+        return
+    single = quadratic(end, 0)
+    assert leader_q + single >= conf.min_gain * (g.queue_s + g.prefill_s)
+    by_id = dict((i, q) for q, i in others)
+    assert g.queue_s == max([leader_q, *(by_id[m] for m in g.members)])
+    waits = g.queue_s - leader_q + sum(g.queue_s - by_id[m] for m in g.members)
+    assert single / (g.stages * g.prefill_s + waits) >= conf.min_efficiency
