@@ -24,6 +24,7 @@ import asyncio
 import multiprocessing
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -42,6 +43,32 @@ class CppBenchOptions:
     stages: tuple[int, ...] = (2, 4)
     transport: str = "shm"
     slots: int = 2
+    # Chunks of about equal FLOPs (`core.cpp.chunk_ranges` with `flops_cost`), as many as
+    # of `chunk_tokens`; False: every chunk `chunk_tokens` long.
+    balanced: bool = True
+
+
+def flops_cost(spec: Any) -> Callable[[int, int], float]:
+    """Prefill FLOPs of positions [cached, prompt) of a model of `spec` (an engine
+    `ModelSpec`): 2 per weight of every layer per token, 4 per head dimension per layer for
+    every (query, key) pair, a query seeing every position before it. What balances the
+    chunks: only ratios matter."""
+    hd = spec.head_dim
+    weights = 2 * spec.hidden * spec.heads * hd + 2 * spec.hidden * spec.kv_heads * hd
+    weights += 3 * spec.hidden * spec.ffn
+    linear, pair = 2 * spec.layers * weights, 4 * spec.layers * spec.heads * hd
+
+    def cost(prompt: int, cached: int) -> float:
+        return float(linear * (prompt - cached) + pair * (prompt * prompt - cached * cached) / 2)
+
+    return cost
+
+
+def plan_of(spec: Any, opts: CppBenchOptions, stages: int) -> Any:
+    from mooncake.core.cpp import CppPlan
+
+    cost = flops_cost(spec) if opts.balanced else None
+    return CppPlan.of(spec.layers, stages, 0, opts.prompt_tokens, opts.chunk_tokens, cost)
 
 
 def bench_prompt(tokens: int, vocab: int) -> list[int]:
@@ -125,7 +152,6 @@ async def _stage_async(
     then every chunk of the prompt through its layers."""
     import torch
 
-    from mooncake.core.cpp import CppPlan
     from mooncake.engine.stage import run_chunk
     from mooncake.serving.activations import Inbox, Outbox, inbox_bytes, slot_bytes
     from mooncake.store.segment import Segment
@@ -134,16 +160,17 @@ async def _stage_async(
     engine = _engine(settings, opts)
     spec = engine.spec
     tokens = bench_prompt(opts.prompt_tokens, spec.vocab_size)
-    plan = CppPlan.of(spec.layers, n, 0, len(tokens), opts.chunk_tokens)
+    plan = plan_of(spec, opts, n)
     layers = plan.layers[index]
     last = index == n - 1
     secret = b"bench-cpp"
-    size = slot_bytes(opts.chunk_tokens, spec.hidden)
+    rows = plan.max_chunk_tokens
+    size = slot_bytes(rows, spec.hidden)
     table, server, segment, inbox = SegmentTable(), None, None, None
     if index > 0:
         seg_id = f"cpp-{uuid.uuid4().hex[:8]}-{index}"
         segment = Segment.create_dram(
-            seg_id, f"stage-{index}", inbox_bytes(opts.slots, opts.chunk_tokens, spec.hidden)
+            seg_id, f"stage-{index}", inbox_bytes(opts.slots, rows, spec.hidden)
         )
         table.add(segment)
         server = make_server(opts.transport, secret=secret)
@@ -254,7 +281,9 @@ def run_cpp_bench(settings: Settings, opts: CppBenchOptions) -> dict[str, Any]:
     ref = torch.tensor(single)
     out: dict[str, Any] = {
         "model": settings.engine.model, "prompt_tokens": opts.prompt_tokens,
-        "chunk_tokens": opts.chunk_tokens, "threads_per_worker": opts.threads,
+        "chunk_tokens": opts.chunk_tokens, "balanced_chunks": opts.balanced,
+        "chunks": [b - a for a, b in plan_of(spec, opts, 2).chunks],
+        "threads_per_worker": opts.threads,
         "transport": opts.transport, "layers": spec.layers, "ttft_1_s": round(ttft_1, 3),
     }  # fmt: skip
     diffs = []

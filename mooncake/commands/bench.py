@@ -262,6 +262,13 @@ def bench_cpp(
         str, typer.Option(help="Group sizes to run, comma-separated (each >= 2)")
     ] = "2,4",
     transport: Annotated[str, typer.Option(help="Activations between stages: shm | tcp")] = "shm",
+    even_chunks: Annotated[
+        bool,
+        typer.Option(
+            "--even-chunks",
+            help="Every chunk CHUNK_TOKENS long (default: as many chunks of about equal FLOPs)",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Chunked pipeline parallelism (PAPER.md §6): one prompt prefilled by one worker, then by
@@ -281,7 +288,9 @@ def bench_cpp(
         err.print(f"[red]bench cpp:[/red] --transport is shm or tcp (got {transport!r})")
         raise typer.Exit(2)
     settings = settings_or_exit()
-    opts = CppBenchOptions(prompt_tokens, chunk_tokens, threads, groups, transport)
+    opts = CppBenchOptions(
+        prompt_tokens, chunk_tokens, threads, groups, transport, balanced=not even_chunks
+    )
     try:
         result = run_cpp_bench(settings, opts)
     except ValueError as exc:

@@ -14,12 +14,17 @@ estimate and the simulator both use) and the choice of a group size. No torch, n
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # The paper's chunks are ">= ~1,000 tokens": smaller ones pay per-chunk overheads (a step of
 # every stage, a transfer) for a pipeline fill that is short anyway.
 DEFAULT_CHUNK_TOKENS = 1024
+
+# The cost model's prefill time (`core.cost_model`): a prompt of `prompt_tokens` whose first
+# `cached_tokens` are cached, all layers, one worker (seconds).
+PrefillCost = Callable[[int, int], float]
 
 
 def layer_ranges(layers: int, stages: int) -> list[tuple[int, int]]:
@@ -36,11 +41,35 @@ def layer_ranges(layers: int, stages: int) -> list[tuple[int, int]]:
     return out
 
 
-def chunk_ranges(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """Positions [start, end) in chunks of `chunk_tokens` (the last one may be shorter)."""
+def chunk_ranges(
+    start: int, end: int, chunk_tokens: int, cost: PrefillCost | None = None
+) -> list[tuple[int, int]]:
+    """Positions [start, end) in chunks of `chunk_tokens` (the last one may be shorter) or,
+    with `cost`, in as many chunks of about equal cost: a token attends over every position
+    before it, so equal-sized chunks grow dearer, and the pipeline's drain (the last stage's
+    share of the last chunk, after every other stage is done) is its dearest chunk's; with
+    equal costs it is 1/chunks of the prefill. The first chunks are then longer than
+    `chunk_tokens`, the last ones shorter."""
     if chunk_tokens < 1 or not 0 <= start < end:
         raise ValueError(f"no chunks of {chunk_tokens} in [{start}, {end})")
-    return [(a, min(a + chunk_tokens, end)) for a in range(start, end, chunk_tokens)]
+    even = [(a, min(a + chunk_tokens, end)) for a in range(start, end, chunk_tokens)]
+    if cost is None or len(even) < 2:
+        return even
+    total, count = cost(end, start), len(even)
+    bounds = [start]
+    for i in range(1, count):
+        # The least b whose prefix [start, b) costs i / count of the whole (bisection: the
+        # cost grows with b), leaving at least one token to each chunk after it.
+        target, lo, hi = total * i / count, bounds[-1] + 1, end - (count - i)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cost(mid, start) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        bounds.append(lo)
+    bounds.append(end)
+    return list(itertools.pairwise(bounds))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +84,19 @@ class CppPlan:
         return len(self.layers)
 
     @classmethod
-    def of(cls, model_layers: int, stages: int, start: int, end: int, chunk_tokens: int) -> CppPlan:
+    def of(
+        cls, model_layers: int, stages: int, start: int, end: int, chunk_tokens: int,
+        cost: PrefillCost | None = None,
+    ) -> CppPlan:  # fmt: skip
+        """With `cost`, chunks of about equal cost (`chunk_ranges`)."""
         return cls(
             tuple(layer_ranges(model_layers, stages)),
-            tuple(chunk_ranges(start, end, chunk_tokens)),
+            tuple(chunk_ranges(start, end, chunk_tokens, cost)),
         )
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        return max(b - a for a, b in self.chunks)
 
 
 def pipeline_finish_s(stage_s: Sequence[Sequence[float]], hop_s: float = 0.0) -> float:
@@ -79,11 +116,6 @@ def pipeline_finish_s(stage_s: Sequence[Sequence[float]], hop_s: float = 0.0) ->
             free = max(free, arrived) + times[k]
             done[k] = free
     return done[-1]
-
-
-# The cost model's prefill time (`core.cost_model`): a prompt of `prompt_tokens` whose first
-# `cached_tokens` are cached, all layers, one worker (seconds).
-PrefillCost = Callable[[int, int], float]
 
 
 def cpp_ttft_s(
@@ -152,7 +184,7 @@ def choose_group(
     time busy. A prompt of one chunk runs on one worker."""
     if cfg.max_stages < 2 or not others:
         return None
-    chunks = chunk_ranges(start, end, cfg.chunk_tokens)
+    chunks = chunk_ranges(start, end, cfg.chunk_tokens, prefill_s)
     if len(chunks) < 2:
         return None
     single = prefill_s(end, start)

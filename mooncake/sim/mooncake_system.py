@@ -190,10 +190,11 @@ class MooncakeSystem:
         if stages == 1:
             return self.costs.prefill.prefill_s(prompt, cached)
         cpp = self.ccfg.cpp
-        plan = CppPlan.of(cpp.layers, stages, cached, prompt, cpp.chunk_tokens)
+        cost = self.costs.prefill.prefill_s
+        plan = CppPlan.of(cpp.layers, stages, cached, prompt, cpp.chunk_tokens, cost)
         act = self.costs.activation
         hop = act.transfer_s(cpp.chunk_tokens) if act is not None else 0.0
-        return cpp_ttft_s(self.costs.prefill.prefill_s, plan, cpp.layers, hop)
+        return cpp_ttft_s(cost, plan, cpp.layers, hop)
 
     def prefilled(self, pid: str, req: SimRequest, decision: cd.Decision) -> None:
         now = self.loop.now

@@ -40,6 +40,43 @@ def test_chunks_cover_the_positions_in_order(start: int, n: int, chunk: int) -> 
     assert all(0 < e - f <= chunk for f, e in chunks)
 
 
+@given(start=st.integers(0, 5000), n=st.integers(1, 40000), chunk=st.integers(64, 4096))
+def test_balanced_chunks_cover_the_positions_at_about_equal_cost(
+    start: int, n: int, chunk: int
+) -> None:
+    even = chunk_ranges(start, start + n, chunk)
+    chunks = chunk_ranges(start, start + n, chunk, quadratic)
+    assert len(chunks) == len(even)
+    assert chunks[0][0] == start and chunks[-1][1] == start + n
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(chunks))
+    costs = [quadratic(b, a) for a, b in chunks]
+    if len(chunks) > 1:
+        # Each boundary is the first token past its share: a chunk is off its share by at
+        # most one token's cost (the dearest token, the last one) at either end.
+        share, token = (
+            quadratic(start + n, start) / len(chunks),
+            quadratic(start + n, start + n - 1),
+        )
+        assert all(abs(c - share) <= 2 * token + 1e-12 for c in costs)
+        # Later tokens cost more: the chunks shrink (one token of slack at each end).
+        sizes = [b - a for a, b in chunks]
+        assert all(x + 2 >= y for x, y in itertools.pairwise(sizes))
+        # ... so the dearest chunk, the pipeline's drain, costs no more than an even one's.
+        assert max(costs) <= max(quadratic(b, a) for a, b in even) + 2 * token
+
+
+def test_balanced_chunks_of_an_8k_prompt() -> None:
+    chunks = chunk_ranges(0, 8192, 1024, quadratic)
+    sizes = [b - a for a, b in chunks]
+    assert len(sizes) == 8 and sizes[0] > 1024 > sizes[-1]
+    plan = CppPlan.of(30, 2, 0, 8192, 1024, quadratic)
+    assert plan.chunks == tuple(chunks) and plan.max_chunk_tokens == sizes[0]
+    # The drain shrinks: the pipeline ends sooner than with even chunks.
+    assert cpp_ttft_s(quadratic, plan, 30) < cpp_ttft_s(
+        quadratic, CppPlan.of(30, 2, 0, 8192, 1024), 30
+    )
+
+
 def test_a_pipeline_schedule_worked_out_by_hand() -> None:
     # Two stages, three chunks of 1 s each: the second stage starts at 1, ends at 4.
     assert pipeline_finish_s([[1, 1, 1], [1, 1, 1]]) == 4
@@ -87,7 +124,7 @@ IDLE = [(0.0, "p1"), (0.0, "p2"), (0.0, "p3")]
 
 
 def group(end: int, others=IDLE, *, leader_q: float = 0.0, hop: float = 0.0, **cfg):  # type: ignore[no-untyped-def]
-    conf = CppConfig(**{"max_stages": 4, "layers": 30, **cfg})
+    conf = CppConfig(**{"max_stages": 4, "layers": 32, **cfg})
     return choose_group(quadratic, conf, start=0, end=end, leader_queue_s=leader_q,
                         others=others, hop_s=hop)  # fmt: skip
 
@@ -101,9 +138,13 @@ def test_choose_group_takes_a_group_only_where_it_pays() -> None:
     assert group(4096, hop=1.0) is None
     assert group(32768, others=[]) is None
     assert group(32768, max_stages=1) is None
-    # Too few chunks for 4 stages to stay busy (efficiency 4 / (4 + 3) < 0.75): 2 stages.
-    few = group(4096)
+    # Too few chunks for a pipeline to stay busy: 4 chunks keep 2 stages 4 / (4 + 1) = 0.8
+    # busy, 4 stages 4 / (4 + 3) = 0.57.
+    assert group(4096) is None
+    few = group(4096, min_efficiency=0.75)
     assert few is not None and few.stages == 2
+    # Uneven layer ranges idle the lighter stages: 30 layers in 4 (8, 8, 7, 7) lose 1/16.
+    assert (g := group(32768, layers=30)) is not None and g.stages == 3
 
 
 def test_choose_group_waits_for_busy_members_only_where_it_pays() -> None:

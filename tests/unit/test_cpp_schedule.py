@@ -41,7 +41,7 @@ def view(prefill: int = 4, decode: int = 1) -> cl.ClusterView:
 
 
 def group_s(stages: int, prompt: int, cached: int = 0) -> float:
-    plan = CppPlan.of(CPP.layers, stages, cached, prompt, CPP.chunk_tokens)
+    plan = CppPlan.of(CPP.layers, stages, cached, prompt, CPP.chunk_tokens, COSTS.prefill.prefill_s)
     assert COSTS.activation is not None
     return cpp_ttft_s(COSTS.prefill.prefill_s, plan, CPP.layers,
                       COSTS.activation.transfer_s(CPP.chunk_tokens))  # fmt: skip
