@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from mooncake import events as ev
 from mooncake.bus.consume import ConsumerSpec
 from mooncake.bus.publish import Publisher
+from mooncake.hashing import DEFAULT_TENANT
 
 log = logging.getLogger("mooncake.client")
 
@@ -69,6 +70,8 @@ async def submit(
     publisher: Publisher | None = None,
     quiet_s: float | None = None,
     reply_to: str | None = None,
+    tenant: str = DEFAULT_TENANT,
+    cache_namespace: str | None = None,
 ) -> AsyncGenerator[dict[str, Any], None]:
     """Publish one request and yield each message that comes back (decision events and
     token chunks), until the last chunk, a terminal decision in `until`, or the timeout.
@@ -76,7 +79,9 @@ async def submit(
     `client_id` names the end client (the gateway's API key digest) for per-client limits;
     `publisher` reuses a long-lived one (a worker's). With `quiet_s`, a stretch that long
     without a message yields `QUIET` (the caller may look in the replayable copy).
-    `reply_to`: the inbox to use (a new one by default); a read-back names it."""
+    `reply_to`: the inbox to use (a new one by default); a read-back names it. `tenant`:
+    whose request it is (tenants share no cached KV); `cache_namespace`: a shared cache
+    namespace to key its blocks in instead of the tenant's own."""
     request_id = request_id or new_request_id()
     inbox = reply_to or nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -89,6 +94,8 @@ async def submit(
             reply_to=inbox,
             deadline_s=deadline_s,
             client_id=client_id,
+            tenant=tenant,
+            cache_namespace=cache_namespace,
         )
         await (publisher or Publisher(nc, nc.jetstream(), ns or ev.Namespace())).publish(event)
         loop = asyncio.get_running_loop()
@@ -256,15 +263,19 @@ async def ask(
     request_id: str | None = None,
     timeout_s: float = 120.0,
     deadline_s: float | None = None,
+    tenant: str = DEFAULT_TENANT,
+    cache_namespace: str | None = None,
 ) -> Outcome:
-    """Submit and collect the whole outcome (decision, tokens, text, timings)."""
+    """Submit and collect the whole outcome (decision, tokens, text, timings); `tenant` and
+    `cache_namespace` as `submit` takes them."""
     rid = request_id or new_request_id()
     out = Outcome(rid, submitted_at=time.monotonic())
     ns = ns or ev.Namespace()
     looks, looking = Looks(), None
     replies = submit(
         nc, prompt, ns=ns, token_ids=token_ids, params=params, request_id=rid,
-        timeout_s=timeout_s, deadline_s=deadline_s, quiet_s=QUIET_S,
+        timeout_s=timeout_s, deadline_s=deadline_s, quiet_s=QUIET_S, tenant=tenant,
+        cache_namespace=cache_namespace,
     )  # fmt: skip
     try:
         async with contextlib.aclosing(replies):

@@ -234,6 +234,13 @@ class Settings(BaseSettings):
     block_tokens: Annotated[int, Field(ge=16, le=4096)] = 512
     model_id: str = "smollm2-135m-instruct"
     hash_seed: int = 0x6D6F6F6E  # "moon"
+    # Tenant -> the shared cache namespace its requests use when they name none (e.g.
+    # {"team-a": "common", "team-b": "common"} lets the two share cached system prompts).
+    # A tenant not named here keeps its cached blocks to itself (`hashing.cache_namespace`).
+    shared_cache: dict[
+        Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")],
+        Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")],
+    ] = {}
 
     # Bytes of the one KV pool each prefill and decode worker allocates at start (e.g.
     # "1.5GiB"). None: a quarter of this machine's memory over the engine workers on it

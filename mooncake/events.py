@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 # Re-exported: callers name them through this registry module (`ev.Namespace`, ...).
+from mooncake.hashing import DEFAULT_TENANT
 from mooncake.namespace import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
 from mooncake.namespace import STREAMS as STREAMS
 from mooncake.namespace import Namespace as Namespace
@@ -111,6 +112,11 @@ class RequestSubmitted(RequestEvent):
     params: SamplingParams = SamplingParams()
     slo_class: SubjectToken = "default"
     client_id: SubjectToken | None = None
+    # Who the request is for: tenants never share cached KV blocks (`hashing.cache_salt`)
+    # unless they opt into the same shared namespace: this request's `cache_namespace`, or
+    # the one `Settings.shared_cache` names for its tenant.
+    tenant: SubjectToken = DEFAULT_TENANT
+    cache_namespace: SubjectToken | None = None
     # Core NATS subject the tokens and the outcome are streamed to: a literal subject (no
     # wildcards: a publish there would reach every matching listener). The Conductor also
     # refuses the system's own subjects (`ingress.reserved_reply_prefixes`).

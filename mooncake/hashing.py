@@ -5,6 +5,11 @@ mean equal prefixes. Only whole blocks get keys (the partial tail is recomputed)
 Keys are salted with a model id (two models never share a key) and a fixed seed, and use
 BLAKE2b (stdlib, fast): `k0 = H(seed ‖ salt ‖ t0)`, `ki = H(k(i-1) ‖ ti)`, where `ti` is
 the block's token ids as little-endian uint32.
+
+A request's salt also names its cache namespace (`cache_salt`): by default its tenant's own,
+so two tenants never share a cached block (a hit on another tenant's prefix would show in
+the TTFT what that tenant asked), or a shared namespace the request (or its tenant, by
+configuration) opts into.
 """
 
 from __future__ import annotations
@@ -14,6 +19,23 @@ import struct
 from collections.abc import Sequence
 
 KEY_BYTES = 16  # 128-bit keys, hex-encoded (32 characters)
+
+
+DEFAULT_TENANT = "default"
+
+
+def cache_namespace(tenant: str, shared: str | None) -> str:
+    """The namespace a request's blocks are keyed in: the shared one it opted into, else its
+    tenant's own. The two kinds never collide ("tenant:" / "shared:")."""
+    return f"shared:{shared}" if shared else f"tenant:{tenant}"
+
+
+DEFAULT_CACHE_NAMESPACE = cache_namespace(DEFAULT_TENANT, None)
+
+
+def cache_salt(model_id: str, namespace: str) -> str:
+    """The salt of `block_keys` for a model and a namespace (`cache_namespace`)."""
+    return f"{model_id}\x1f{namespace}"
 
 
 def _root(seed: int, salt: str) -> bytes:

@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mooncake.events import Identifier, SamplingParams, SubjectToken, derived_event_id
+from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, DEFAULT_TENANT
 from mooncake.namespace import Namespace
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -57,6 +58,10 @@ class PrefillWork(Wire):
     local_blocks: Annotated[int, Field(ge=0)] = 0
     # Event id of the admission, so the events a stage emits get ids derived from it.
     admitted_event_id: Identifier
+    # The request's cache namespace (`hashing.cache_namespace`): its blocks' keys are salted
+    # with it and the model id (`hashing.cache_salt`).
+    cache_namespace: Annotated[str, Field(max_length=128)] = DEFAULT_CACHE_NAMESPACE
+    tenant: SubjectToken = DEFAULT_TENANT
 
 
 class DecodeWork(Wire):

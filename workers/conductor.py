@@ -57,7 +57,7 @@ from mooncake.core.cost_model import Costs
 from mooncake.core.online_cost import observe_fact
 from mooncake.engine.errors import EngineError
 from mooncake.events import RejectReason
-from mooncake.hashing import block_keys
+from mooncake.hashing import block_keys, cache_salt
 from mooncake.model_info import ModelHeader, model_header
 from mooncake.ratelimit import ClientLimits, Limit
 from mooncake.serving import conductor_dispatch as dispatch
@@ -272,7 +272,9 @@ class Conductor:
                     update={"params": params.model_copy(update={"max_tokens": fit})}
                 )
         s = self._ctx.settings
-        keys = block_keys(tokens, s.block_tokens, seed=s.hash_seed, salt=s.model_id)
+        namespace = dispatch.namespace_of(request, s.shared_cache)
+        salt = cache_salt(s.model_id, namespace)
+        keys = block_keys(tokens, s.block_tokens, seed=s.hash_seed, salt=salt)
         sreq = cd.ScheduleRequest(request.request_id, len(tokens), tuple(keys))
         now = self._clock()
         decision = admission.decide(self._policy, self.view, sreq, self._cfg, self._costs, now)
@@ -297,7 +299,9 @@ class Conductor:
             self.view.apply(fact, now)
         metrics.TTFT_MARGIN.set(cd.ttft_margin(self.view, self._cfg))
         self.known.add(request.request_id, Known(request.reply_to, admitted.event_id))
-        work = dispatch.prefill_work(request, decision, tokens, admitted.event_id, s.block_tokens)
+        work = dispatch.prefill_work(
+            request, decision, tokens, admitted.event_id, s.block_tokens, namespace
+        )
         return (admitted, work)
 
     def _no_instance_why(self, prompt_tokens: int) -> str:
@@ -483,7 +487,10 @@ class Conductor:
                 tokens = self._prompt_tokens(request)
                 assert not isinstance(tokens, str), tokens  # an admitted prompt was valid
                 s = self._ctx.settings
-                works[i] = dispatch.prefill_work_of_admission(request, kept, tokens, s.block_tokens)
+                works[i] = dispatch.prefill_work_of_admission(
+                    request, kept, tokens, s.block_tokens,
+                    dispatch.namespace_of(request, s.shared_cache),
+                )  # fmt: skip
                 self.known.add(request.request_id, Known(request.reply_to, kept.event_id))
                 stages.pop(i, None)
             else:

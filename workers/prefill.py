@@ -224,7 +224,11 @@ class PrefillWorker:
         try:
             with tracer().start_as_current_span(
                 "prefill compute",
-                attributes={"mc.request_id": work.request_id, "mc.tokens": len(work.token_ids)},
+                attributes={
+                    "mc.request_id": work.request_id,
+                    "mc.tokens": len(work.token_ids),
+                    "mc.tenant": work.tenant,
+                },
             ):
                 done = await prefill_with_store(
                     self.engine,
@@ -234,6 +238,7 @@ class PrefillWorker:
                     tail_key=tail_key(work.request_id, work.attempt),
                     preferred_segment=self.store.dram_segment,
                     cancelled=running.stop,
+                    namespace=work.cache_namespace,
                 )
         except EngineError as exc:
             return await self._failed(work, "invalid_prompt", str(exc))

@@ -253,6 +253,35 @@ def bench_memory(
     print_result("bench memory", result, as_json)
 
 
+@bench_app.command("isolation")
+def bench_isolation(
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts, each sent 5 times")] = 4,
+    blocks: Annotated[int, typer.Option(min=1, help="Whole blocks of each prompt")] = 4,
+    kv_cache_bytes: Annotated[
+        str, typer.Option(help="Bytes of each prefill/decode worker's KV pool, e.g. 1.5GiB")
+    ] = "1GiB",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Tenants and the shared KV pool (as `mooncake up` runs it, on a private broker and
+    database): tenant B sending tenant A's prompts reuses none of A's cached blocks
+    (cross_tenant_cached_tokens == 0) and waits a cold prefill's TTFT, while A's own repeat
+    and two tenants naming one shared cache namespace hit."""
+    from mooncake.bench.isolation import IsolationOptions, run_isolation_bench
+    from mooncake.engine.errors import EngineError
+
+    settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes)
+    opts = IsolationOptions(prompts=prompts, blocks=blocks)
+    try:
+        result = asyncio.run(run_isolation_bench(settings, opts, log=err.print))
+    except (ValueError, EngineError, OSError) as exc:
+        err.print(f"[red]bench isolation:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
+    except RuntimeError as exc:
+        err.print(f"[red]bench isolation failed:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(1) from exc
+    print_result("bench isolation", result, as_json)
+
+
 @bench_app.command("cpp")
 def bench_cpp(
     prompt_tokens: Annotated[int, typer.Option(min=2, help="Tokens of the prompt")] = 8192,

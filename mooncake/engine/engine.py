@@ -25,7 +25,7 @@ from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks
 from mooncake.engine.paged import PagedPrefill
 from mooncake.engine.pool import KVPool, KVPoolExhausted, PagedKV, page_tokens_for
 from mooncake.engine.tokenizer import ChatTokenizer
-from mooncake.hashing import block_keys
+from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, block_keys, cache_salt
 
 # Without a budget, an engine's pool holds this many full contexts (tests, tools): the
 # memory is reserved, and only what is written becomes resident.
@@ -117,8 +117,13 @@ class Engine:
         if bad:
             raise EngineError(f"unknown token ids {bad[:5]} (vocabulary {self.spec.vocab_size})")
 
-    def block_keys(self, tokens: Sequence[int]) -> list[str]:
-        return block_keys(tokens, self.block_tokens, seed=self.hash_seed, salt=self.model_id)
+    def block_keys(
+        self, tokens: Sequence[int], namespace: str = DEFAULT_CACHE_NAMESPACE
+    ) -> list[str]:
+        """The chained keys of `tokens`' whole blocks in a request's cache `namespace`
+        (`hashing.cache_namespace`; the default tenant's own by default)."""
+        salt = cache_salt(self.model_id, namespace)
+        return block_keys(tokens, self.block_tokens, seed=self.hash_seed, salt=salt)
 
     def new_kv(self) -> PagedKV:
         return self.pool.sequence()

@@ -50,6 +50,7 @@ from mooncake.gateway.schemas import (
     SamplingFields,
     Usage,
 )
+from mooncake.hashing import DEFAULT_TENANT
 from mooncake.ratelimit import ClientLimits, Limit, retry_after_s
 from mooncake.telemetry import tracer
 
@@ -94,6 +95,41 @@ def client_of(request: Request) -> str:
         return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:32]
     host = request.client.host if request.client is not None else "unknown"
     return "addr-" + re.sub(r"[^A-Za-z0-9_-]", "_", host)[:59]
+
+
+TENANT_HEADER = "x-mooncake-tenant"
+CACHE_NAMESPACE_HEADER = "x-mooncake-cache-namespace"
+_TOKEN = re.compile(ev.TOKEN_PATTERN)
+
+
+def tenant_of(request: Request, user: str | None) -> tuple[str, str | None]:
+    """(tenant, shared cache namespace or None) of a request. The tenant: the
+    `X-Mooncake-Tenant` header (set by the deployment's own auth in front of the gateway),
+    else the body's OpenAI `user` (free-form: as itself where it is a plain id, else a digest
+    of it), else the default tenant. Tenants share no cached KV unless a request names a
+    namespace in `X-Mooncake-Cache-Namespace` (or its tenant has one configured). Whoever
+    sets these is trusted: isolation holds between tenants as far as they cannot set each
+    other's."""
+    header = request.headers.get(TENANT_HEADER)
+    if header is not None:
+        if not _TOKEN.match(header):
+            raise errors.bad_request(
+                f"{TENANT_HEADER} must be 1-64 of A-Z a-z 0-9 _ - (got {header[:80]!r})",
+                code="invalid_tenant",
+            )
+        tenant = header
+    elif user:
+        plain = _TOKEN.match(user) is not None
+        tenant = user if plain else "u-" + hashlib.sha256(user.encode()).hexdigest()[:32]
+    else:
+        tenant = DEFAULT_TENANT
+    shared = request.headers.get(CACHE_NAMESPACE_HEADER)
+    if shared is not None and not _TOKEN.match(shared):
+        raise errors.bad_request(
+            f"{CACHE_NAMESPACE_HEADER} must be 1-64 of A-Z a-z 0-9 _ - (got {shared[:80]!r})",
+            code="invalid_cache_namespace",
+        )
+    return tenant, shared
 
 
 # --- request bodies -------------------------------------------------------------------------------
@@ -378,8 +414,9 @@ class Gateway:
         )  # fmt: skip
         route = "/v1/chat/completions" if chat else "/v1/completions"
         span = tracer().start_span(
-            f"gateway {route}", kind=SpanKind.SERVER, attributes={"mc.request_id": rid}
-        )
+            f"gateway {route}", kind=SpanKind.SERVER,
+            attributes={"mc.request_id": rid, "mc.tenant": submission.tenant},
+        )  # fmt: skip
         reply_to = self.backend.new_reply_subject()
         replies = self.backend.submit(
             submission, request_id=rid, reply_to=reply_to,
@@ -508,9 +545,9 @@ def create_app(
         req = parse(CompletionRequest, await read_json(request, options.max_body_bytes))
         gw.check_model(req.model)
         submission = tr.completion_submission(req, gw.tokenizer)
-        return await gw.answer(
-            replace(submission, client_id=client), req, chat=False, request=request
-        )
+        tenant, shared = tenant_of(request, req.user)
+        submission = replace(submission, client_id=client, tenant=tenant, cache_namespace=shared)
+        return await gw.answer(submission, req, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -518,9 +555,9 @@ def create_app(
         req = parse(ChatCompletionRequest, await read_json(request, options.max_body_bytes))
         gw.check_model(req.model)
         submission = tr.chat_submission(req, gw.tokenizer, options.context)
-        return await gw.answer(
-            replace(submission, client_id=client), req, chat=True, request=request
-        )
+        tenant, shared = tenant_of(request, req.user)
+        submission = replace(submission, client_id=client, tenant=tenant, cache_namespace=shared)
+        return await gw.answer(submission, req, chat=True, request=request)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

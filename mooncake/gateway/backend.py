@@ -71,6 +71,8 @@ class NatsBackend:
             timeout_s=timeout_s,
             deadline_s=timeout_s,
             client_id=submission.client_id,
+            tenant=submission.tenant,
+            cache_namespace=submission.cache_namespace,
             publisher=self._publisher,
             quiet_s=client.QUIET_S,
             reply_to=reply_to,

@@ -39,6 +39,7 @@ from mooncake.gateway.schemas import (
     SamplingFields,
     Usage,
 )
+from mooncake.hashing import DEFAULT_TENANT
 
 # OpenAI's defaults where the request leaves them out.
 DEFAULT_TEMPERATURE = 1.0
@@ -57,6 +58,9 @@ class Submission:
     prompt: str | None = None
     # Who sent it (`app.client_of`): the Conductor's per-client limit counts by this.
     client_id: str | None = None
+    # Whose it is and the shared cache namespace it names (`app.tenant_of`).
+    tenant: str = DEFAULT_TENANT
+    cache_namespace: str | None = None
 
 
 def sampling_params(req: SamplingFields, max_tokens: int) -> ev.SamplingParams:

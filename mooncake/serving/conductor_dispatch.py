@@ -17,11 +17,13 @@ drops the second one. The Conductor acts on the decision the broker kept
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from mooncake import events as ev
 from mooncake.core.conductor import Decision, rejection_detail
 from mooncake.events import RejectReason
+from mooncake.hashing import cache_namespace
 from mooncake.work import PrefillWork, Timing
 
 
@@ -108,12 +110,20 @@ def invalid_event(
     )
 
 
+def namespace_of(request: ev.RequestSubmitted, shared_cache: Mapping[str, str]) -> str:
+    """The cache namespace of a request (`hashing.cache_namespace`): the shared one it names,
+    else the one configured for its tenant (`Settings.shared_cache`), else its tenant's own."""
+    shared = request.cache_namespace or shared_cache.get(request.tenant)
+    return cache_namespace(request.tenant, shared)
+
+
 def prefill_work(
     request: ev.RequestSubmitted,
     decision: Decision,
     token_ids: list[int],
     admitted_event_id: str,
     block_tokens: int,
+    namespace: str,
 ) -> PrefillWork:
     assert decision.prefill_instance is not None and decision.decode_instance is not None
     cached = decision.prefix_tokens // block_tokens
@@ -129,6 +139,8 @@ def prefill_work(
         cached_blocks=cached,
         local_blocks=min(decision.local_prefix_blocks, cached),
         admitted_event_id=admitted_event_id,
+        cache_namespace=namespace,
+        tenant=request.tenant,
     )
 
 
@@ -149,6 +161,7 @@ def prefill_work_of_admission(
     admitted: ev.RequestAdmitted,
     token_ids: list[int],
     block_tokens: int,
+    namespace: str,
 ) -> PrefillWork:
     """The work of an admission read back from the broker (see the module's doc): what
     `prefill_work` built from the decision, from the fields the event keeps."""
@@ -165,7 +178,7 @@ def prefill_work_of_admission(
         local_prefix_blocks=local if isinstance(local, int) else 0,
         prefix_tokens=admitted.cached_prefix_tokens,
     )
-    return prefill_work(request, decision, token_ids, admitted.event_id, block_tokens)
+    return prefill_work(request, decision, token_ids, admitted.event_id, block_tokens, namespace)
 
 
 def no_instance_delay(num_delivered: int, wait_s: float, max_deliver: int) -> float | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from mooncake.engine import Engine, KVPoolExhausted, PagedKV, Prefilled
+from mooncake.hashing import DEFAULT_CACHE_NAMESPACE
 from mooncake.serving.kvstore import (
     COMPUTED,
     ENGINE,
@@ -119,9 +120,11 @@ async def prefill_with_store(
     tail_key: str,
     preferred_segment: str | None,
     cancelled: threading.Event,
+    namespace: str = DEFAULT_CACHE_NAMESPACE,
 ) -> StoredPrefill:
     """Prefill `tokens`, loading up to `cached_blocks` leading blocks from the store and
-    writing every other block (and the tail) to it while computing.
+    writing every other block (and the tail) to it while computing; its blocks are keyed in
+    the request's cache `namespace` (`hashing.cache_namespace`).
 
     Raises EngineError (bad input: before any store I/O), PrefillCancelled (`cancelled` was
     set: the put is revoked), StoreError/KvWriteError (transient). A cached prefix that cannot
@@ -129,15 +132,16 @@ async def prefill_with_store(
     """
     tokens = [int(t) for t in tokens]
     engine.check_tokens(tokens)
+    keys = engine.block_keys(tokens, namespace)
     try:
         return await _prefill_once(
-            engine, store, tokens, cached_blocks, tail_key, preferred_segment, cancelled
+            engine, store, tokens, keys, cached_blocks, tail_key, preferred_segment, cancelled
         )
     except PrefixLoadError as exc:
         log.warning("cached prefix unusable (%s): recomputing it", exc)
         # -1: load nothing, compute the whole prompt.
         done = await _prefill_once(
-            engine, store, tokens, -1, tail_key, preferred_segment, cancelled
+            engine, store, tokens, keys, -1, tail_key, preferred_segment, cancelled
         )
         done.load_fallback = str(exc)
         return done
@@ -157,13 +161,13 @@ async def _prefill_once(
     engine: Engine,
     store: StoreClient,
     tokens: list[int],
+    keys: list[str],
     cached_blocks: int,
     tail_key: str,
     preferred_segment: str | None,
     cancelled: threading.Event,
 ) -> StoredPrefill:
     layout, size_t = engine.layout, engine.block_tokens
-    keys = engine.block_keys(tokens)
     # The Conductor's `cached_blocks` was its view at admission; blocks stored since (by a
     # request admitted just before this one) are in the pool too: look up every usable
     # leading block (one round trip) and load the prefix actually there.

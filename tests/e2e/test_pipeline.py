@@ -181,6 +181,50 @@ async def test_shared_system_prompt_reuses_blocks_and_matches_one_process(
     assert (await terminal_counts(db, ids)) == dict.fromkeys(ids, 1)
 
 
+async def cached_tokens(db: AsyncEngine, ids: list[str]) -> dict[str, int]:
+    from sqlalchemy import text
+
+    async def recorded() -> bool:
+        return len(await terminal_counts(db, ids)) == len(ids)
+
+    await wait_for(recorded, 30, "the requests to be recorded as ended")
+    async with db.connect() as conn:
+        rows = (
+            await conn.execute(
+                text("SELECT request_id, cached_tokens FROM requests WHERE request_id = ANY(:ids)"),
+                {"ids": ids},
+            )
+        ).all()
+    return {r[0]: r[1] for r in rows}
+
+
+async def test_tenants_share_no_cached_blocks_unless_they_name_one_namespace(
+    pipeline: Pipeline, nc: NATS, db: AsyncEngine
+) -> None:
+    """Tenant B sending tenant A's prompt reuses nothing of A's (no side channel through the
+    pool); A's own second request and two tenants naming one shared namespace do."""
+    system = [(11 * k + 5) % 1000 for k in range(80)]  # 5 whole blocks of 16
+    runs = [  # (name, tenant, shared namespace): in this order
+        ("a1", "tenant-a", None), ("b1", "tenant-b", None), ("a2", "tenant-a", None),
+        ("s1", "tenant-a", "common"), ("s2", "tenant-b", "common"),
+    ]  # fmt: skip
+    ids: dict[str, str] = {}
+    for i, (name, tenant, shared) in enumerate(runs):
+        tokens = system + [(i * 17 + k) % 1000 for k in range(6)]
+        rid = ids[name] = f"tenant-{uuid.uuid4().hex[:8]}-{name}"
+        out = await ask(
+            nc, token_ids=tokens, ns=pipeline.ns, request_id=rid, tenant=tenant,
+            cache_namespace=shared, params=ev.SamplingParams(max_tokens=4), timeout_s=60,
+        )  # fmt: skip
+        assert out.finished, (rid, out.finish_reason, out.error)
+        assert out.token_ids == pipeline.expected(tokens, 4), rid  # cached or not, the same
+    cached = await cached_tokens(db, list(ids.values()))
+    got = {name: cached[rid] for name, rid in ids.items()}
+    assert got["a1"] == 0 and got["b1"] == 0, got  # B: none of A's blocks
+    assert got["a2"] >= 5 * 16 - 16 and got["s2"] >= 5 * 16 - 16, got  # its own / shared
+    assert got["s1"] == 0, got  # the shared namespace starts empty: A's own blocks stay A's
+
+
 async def test_one_request_is_one_connected_trace(pipeline: Pipeline, nc: NATS) -> None:
     memory = InMemorySpanExporter()
     setup_tracing(pipeline.settings, "test-client", exporter=memory)

@@ -150,8 +150,9 @@ def test_events_and_work_from_a_decision_have_derived_ids() -> None:
     key = f"{req.request_id}/{req.event_id}"
     assert admitted.event_id == ev.derived_event_id(key, "decision")
     assert (admitted.prefill_instance, admitted.cached_prefix_tokens) == ("p1", 32)
-    work = dispatch.prefill_work(req, _decision(True), [1, 2, 3], admitted.event_id, 16)
+    work = dispatch.prefill_work(req, _decision(True), [1, 2, 3], admitted.event_id, 16, "ns-x")
     assert (work.cached_blocks, work.local_blocks, work.attempt) == (2, 1, 1)
+    assert (work.cache_namespace, work.tenant) == ("ns-x", "default")
     assert work.timing.submitted_at == req.occurred_at.timestamp()
     assert work.timing.deadline_at == work.timing.submitted_at + 30.0
     assert work.reply_to == "inbox.r1" and work.admitted_event_id == admitted.event_id
@@ -171,6 +172,25 @@ def test_events_and_work_from_a_decision_have_derived_ids() -> None:
     assert dispatch.redispatch_msg_id("m1", 2) != dispatch.redispatch_msg_id("m1", 3)
 
 
+def test_a_request_s_cache_namespace_is_its_own_named_configured_or_its_tenant_s() -> None:
+    shared = {"team-a": "common"}
+    req = _request()
+    assert dispatch.namespace_of(req, shared) == "tenant:default"
+    a = req.model_copy(update={"tenant": "team-a"})
+    b = req.model_copy(update={"tenant": "team-b"})
+    assert dispatch.namespace_of(a, shared) == "shared:common"  # configured for its tenant
+    assert dispatch.namespace_of(b, shared) == "tenant:team-b"  # its own
+    named = b.model_copy(update={"cache_namespace": "common"})
+    assert dispatch.namespace_of(named, {}) == "shared:common"  # named by the request
+    # A tenant called like a shared namespace still keys apart from it.
+    c = req.model_copy(update={"tenant": "common"})
+    assert dispatch.namespace_of(c, {}) != dispatch.namespace_of(named, {})
+    with pytest.raises(ValidationError):
+        ev.RequestSubmitted(request_id="r", token_ids=[1], tenant="a b")
+    with pytest.raises(ValidationError):
+        ev.RequestSubmitted(request_id="r", token_ids=[1], cache_namespace="x" * 65)
+
+
 def test_the_work_of_an_admission_read_back_is_the_work_of_its_decision() -> None:
     """The Conductor rebuilds the work of an admission the broker kept (`adopt`) from the
     event alone: the same work `prefill_work` built from the decision."""
@@ -179,8 +199,10 @@ def test_the_work_of_an_admission_read_back_is_the_work_of_its_decision() -> Non
     inputs = {**decision.to_dict(), "slo_class": "default"}
     admitted = dispatch.admitted_event(req, decision, inputs)
     kept = ev.RequestAdmitted.model_validate_json(admitted.to_json())  # as read back
-    rebuilt = dispatch.prefill_work_of_admission(req, kept, [1, 2, 3], 16)
-    assert rebuilt == dispatch.prefill_work(req, decision, [1, 2, 3], admitted.event_id, 16)
+    rebuilt = dispatch.prefill_work_of_admission(req, kept, [1, 2, 3], 16, "tenant:t")
+    assert rebuilt == dispatch.prefill_work(
+        req, decision, [1, 2, 3], admitted.event_id, 16, "tenant:t"
+    )
     # Same work: admitted to the same instances. A rejection is never "the same".
     assert dispatch.same_decision(kept, admitted)
     moved = kept.model_copy(update={"prefill_instance": "p2"})

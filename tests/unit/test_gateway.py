@@ -168,10 +168,12 @@ class Rig:
         gw: Gateway = self.app.state.gateway
         return gw
 
-    async def post(self, path: str, body: Any) -> httpx.Response:
+    async def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         return await self.http.post(
-            path, content=content, headers={"content-type": "application/json"}
+            path, content=content, headers={"content-type": "application/json", **(headers or {})}
         )
 
     def openai(self) -> openai.AsyncOpenAI:
@@ -314,6 +316,34 @@ async def test_completion_prompt_is_tokenized_raw_and_params_mapped(
     assert sub.token_ids == r.tok.encode("Once upon")  # no chat template around it
     p = sub.params
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (9, 0.5, 0.9, 42, ["\n"])
+
+
+async def test_the_tenant_comes_from_the_header_else_the_user_else_the_default(
+    rig: Callable[..., Rig],
+) -> None:
+    r = rig()
+    body = {"model": MODEL, "prompt": [5, 6, 7], "user": "alice"}
+    await r.post("/v1/completions", body, {"X-Mooncake-Tenant": "acme"})
+    await r.post("/v1/completions", body)
+    await r.post("/v1/completions", {**body, "user": "bob@example.com"})
+    await r.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7]})
+    await r.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        {"X-Mooncake-Tenant": "acme", "X-Mooncake-Cache-Namespace": "system-prompts"},
+    )
+    subs = [sub for _, sub in r.backend.submitted]
+    assert [(s.tenant, s.cache_namespace) for s in subs[:2]] == [("acme", None), ("alice", None)]
+    assert subs[2].tenant.startswith("u-") and "bob" not in subs[2].tenant  # a digest
+    assert (subs[3].tenant, subs[4].tenant) == ("default", "acme")
+    assert subs[4].cache_namespace == "system-prompts"
+    for headers, code in (
+        ({"X-Mooncake-Tenant": "a b"}, "invalid_tenant"),
+        ({"X-Mooncake-Cache-Namespace": "x" * 65}, "invalid_cache_namespace"),
+    ):
+        resp = await r.post("/v1/completions", body, headers)
+        assert resp.status_code == 400 and error_of(resp)["code"] == code, resp.text
+    assert len(r.backend.submitted) == 5  # nothing refused was submitted
 
 
 async def test_defaults_follow_openai(rig: Callable[..., Rig]) -> None:
