@@ -63,6 +63,7 @@ class RequestState:
     finished_at: datetime | None = None
     slo_class: str | None = None
     client_id: str | None = None
+    tenant: str | None = None
     max_tokens: int | None = None
     policy: str | None = None
     prefill_instance: str | None = None
@@ -126,6 +127,7 @@ def _fold(s: RequestState, e: ev.RequestEvent) -> RequestState:
                 submitted_at=e.occurred_at,
                 slo_class=e.slo_class,
                 client_id=e.client_id,
+                tenant=e.tenant,
                 max_tokens=e.params.max_tokens,
                 prompt_tokens=len(e.token_ids) if e.token_ids is not None else None,
             )

@@ -78,6 +78,7 @@ class RequestRow(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     slo_class: Mapped[str | None] = mapped_column(String(64))
     client_id: Mapped[str | None] = mapped_column(String(64))
+    tenant: Mapped[str | None] = mapped_column(String(64), index=True)
     max_tokens: Mapped[int | None] = mapped_column(Integer)
     policy: Mapped[str | None] = mapped_column(String(32))
     prefill_instance: Mapped[str | None] = mapped_column(String(64))

@@ -181,7 +181,8 @@ async def test_shared_system_prompt_reuses_blocks_and_matches_one_process(
     assert (await terminal_counts(db, ids)) == dict.fromkeys(ids, 1)
 
 
-async def cached_tokens(db: AsyncEngine, ids: list[str]) -> dict[str, int]:
+async def cached_tokens(db: AsyncEngine, ids: list[str]) -> dict[str, tuple[int, str]]:
+    """Each request's recorded (cached tokens, tenant)."""
     from sqlalchemy import text
 
     async def recorded() -> bool:
@@ -191,11 +192,14 @@ async def cached_tokens(db: AsyncEngine, ids: list[str]) -> dict[str, int]:
     async with db.connect() as conn:
         rows = (
             await conn.execute(
-                text("SELECT request_id, cached_tokens FROM requests WHERE request_id = ANY(:ids)"),
+                text(
+                    "SELECT request_id, cached_tokens, tenant FROM requests "
+                    "WHERE request_id = ANY(:ids)"
+                ),
                 {"ids": ids},
             )
         ).all()
-    return {r[0]: r[1] for r in rows}
+    return {r[0]: (r[1], r[2]) for r in rows}
 
 
 async def test_tenants_share_no_cached_blocks_unless_they_name_one_namespace(
@@ -219,7 +223,11 @@ async def test_tenants_share_no_cached_blocks_unless_they_name_one_namespace(
         assert out.finished, (rid, out.finish_reason, out.error)
         assert out.token_ids == pipeline.expected(tokens, 4), rid  # cached or not, the same
     cached = await cached_tokens(db, list(ids.values()))
-    got = {name: cached[rid] for name, rid in ids.items()}
+    got = {name: cached[rid][0] for name, rid in ids.items()}
+    # The record says whose each request was.
+    assert {name: cached[rid][1] for name, rid in ids.items()} == {
+        name: tenant for name, tenant, _ in runs
+    }
     assert got["a1"] == 0 and got["b1"] == 0, got  # B: none of A's blocks
     assert got["a2"] >= 5 * 16 - 16 and got["s2"] >= 5 * 16 - 16, got  # its own / shared
     assert got["s1"] == 0, got  # the shared namespace starts empty: A's own blocks stay A's
