@@ -94,6 +94,13 @@ TOKENS_GENERATED = Counter(
 )
 
 # --- the Conductor's view of the instances (from their load reports) -------------------------
+KV_INDEX_NODES = Gauge(
+    "mc_kv_index_nodes",
+    "Store nodes and engine tiers whose KV index the Conductor holds, by its state: exact, "
+    "resyncing (a gap, awaiting a snapshot) or degraded (no snapshot could be had); the "
+    "blocks of those not exact count as unknown, not as hits",
+    ["state"],
+)
 INSTANCE_QUEUE_DEPTH = Gauge(
     "mc_instance_queue_depth",
     "Requests waiting on an instance, from its latest load report",

@@ -553,6 +553,12 @@ class Conductor:
             },
             # The predictor as it stood: refits, samples, fitted or seed, latest error.
             **({"cost_model": self._online.state()} if self._online is not None else {}),
+            # The KV index it read: every node's blocks counted as hits, but those listed
+            # here (not EXACT: store/kv_index.py), whose blocks it counted as unknown.
+            "kv_index": {
+                "unsure_nodes": sorted(self.view.unsure_nodes),
+                "unsure_instances": sorted(self.view.unsure_instances),
+            },
         }
 
     async def cancel(self, d: Delivery) -> Outcome:

@@ -80,8 +80,11 @@ class BlockIndex:
         self.remove(node, affected)
         return len(affected)
 
-    def match(self, keys: Sequence[str]) -> PrefixMatch:
-        """Longest prefix of `keys` in the pool and on every node that holds part of it."""
+    def match(self, keys: Sequence[str], exclude: frozenset[str] = frozenset()) -> PrefixMatch:
+        """Longest prefix of `keys` in the pool and on every node that holds part of it;
+        the blocks of nodes in `exclude` (whose index is not exact) count as not there."""
+        if exclude:
+            return self._match_without(keys, exclude)
         index = self._holders
         first = index.get(keys[0]) if keys else None
         if first is None:
@@ -101,6 +104,26 @@ class BlockIndex:
                         node_blocks[node] = i
                     alive = kept
         # Nodes alive to the end hold all `best` blocks; of those we must say which.
+        for node in alive:
+            node_blocks[node] = best
+        return PrefixMatch(best, node_blocks, alive)
+
+    def _match_without(self, keys: Sequence[str], exclude: frozenset[str]) -> PrefixMatch:
+        """`match` over the holders less `exclude` (rare: while a node resyncs)."""
+        best, node_blocks, alive = 0, {}, frozenset[str]()
+        for i, key in enumerate(keys):
+            held = self._holders.get(key, frozenset()) - exclude
+            if not held:
+                break
+            if i == 0:
+                alive = held
+            else:
+                for node in alive - held:
+                    node_blocks[node] = i
+                alive = alive & held
+            best = i + 1
+        if not best:
+            return NO_MATCH
         for node in alive:
             node_blocks[node] = best
         return PrefixMatch(best, node_blocks, alive)

@@ -244,6 +244,10 @@ class ClusterView:
         # Each engine's own KV pool (its engine tier), by instance id: local to that instance,
         # fetchable by no other, so kept out of `blocks` (the pool Algorithm 1 fetches from).
         self.engine_blocks = BlockIndex()
+        # Nodes (pool) and instances (engine tiers) whose index is not EXACT right now
+        # (store/kv_index.py): their blocks count as not there, never as hits.
+        self.unsure_nodes: frozenset[str] = frozenset()
+        self.unsure_instances: frozenset[str] = frozenset()
         self.inflight: dict[str, Inflight] = {}
         # The latest finished requests' outputs and decode times (core/decode_forecast.py).
         self.finished = FinishedDecodes()
@@ -262,11 +266,14 @@ class ClusterView:
         """Leading blocks of `keys` instance `p` holds itself, in its node's DRAM (`in_dram`,
         from the pool's match) or its engine's pool: what it needs no transfer for."""
         engine = self.engine_blocks
-        if not len(engine):
+        if not len(engine) or p.id in self.unsure_instances:
             return in_dram
+        node_sure = p.node not in self.unsure_nodes
         n = 0
         for key in keys:
-            if p.id not in engine.holders(key) and p.node not in self.blocks.holders(key):
+            if p.id not in engine.holders(key) and not (
+                node_sure and p.node in self.blocks.holders(key)
+            ):
                 break
             n += 1
         return max(n, in_dram)

@@ -210,7 +210,7 @@ def prefix_tokens(blocks: int, prompt_tokens: int, block_tokens: int) -> int:
 def _prefill_candidates(
     view: ClusterView, req: ScheduleRequest, cfg: ConductorConfig, costs: Costs, now: float
 ) -> tuple[PrefixMatch, tuple[PrefillCandidate, ...]]:
-    match = view.blocks.match(req.keys)
+    match = view.blocks.match(req.keys, view.unsure_nodes)
     best = match.best_blocks
     node_blocks = match.node_blocks
     prompt = req.prompt_tokens

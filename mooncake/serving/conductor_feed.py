@@ -34,7 +34,7 @@ from mooncake import events as ev
 from mooncake import metrics
 from mooncake.core import cluster as cl
 from mooncake.store.kv_follow import KvIndexSubscriber
-from mooncake.store.kv_index import KvIndexFollower
+from mooncake.store.kv_index import IndexState, KvIndexFollower
 from mooncake.work import LoadReport, WorkSubjects
 
 log = logging.getLogger("mooncake.conductor.feed")
@@ -154,9 +154,11 @@ class LiveFeed:
     ) -> None:
         self.nc, self.ns, self.view, self.liveness = nc, ns, view, liveness
         self.follower = KvIndexFollower(view.blocks)
-        self.kv = KvIndexSubscriber(nc, ns, self.follower)
+        self.kv = KvIndexSubscriber(nc, ns, self.follower, on_state=self._index_state)
         self.engine_follower = KvIndexFollower(view.engine_blocks)
-        self.engine_kv = KvIndexSubscriber(nc, ns, self.engine_follower, engine=True)
+        self.engine_kv = KvIndexSubscriber(
+            nc, ns, self.engine_follower, engine=True, on_state=self._index_state
+        )
         self._on_dead, self._on_fact = on_dead, on_fact
         self._tick_s, self._clock = tick_s, clock
         self._subs: list[Subscription] = []
@@ -168,12 +170,26 @@ class LiveFeed:
             # The node's blocks go, and so does its KV event stream: its next life (or a
             # node that only looked dead) is re-read from a snapshot, not from deltas.
             self.follower.drop_node(fact.node)
+            self._index_state()
         else:
             if isinstance(fact, cl.InstanceLeft):  # its engine tier dies with it
                 self.engine_follower.drop_node(fact.instance)
+                self._index_state()
             self.view.apply(fact, self._clock())
         if self._on_fact is not None:
             self._on_fact(fact)
+
+    def _index_state(self) -> None:
+        """A node's KV index changed state: what the Conductor counts as unknown, and the
+        metric (nodes per state, pool and engine tiers together)."""
+        self.view.unsure_nodes = self.follower.unsure()
+        self.view.unsure_instances = self.engine_follower.unsure()
+        counts = dict.fromkeys(IndexState, 0)
+        for f in (self.follower, self.engine_follower):
+            for state in f.states().values():
+                counts[state] += 1
+        for state, n in counts.items():
+            metrics.KV_INDEX_NODES.labels(state.value).set(n)
 
     async def start(self) -> None:
         await self.kv.start()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -18,6 +20,7 @@ from nats.aio.subscription import Subscription
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
 from mooncake.store.kv_index import (
+    IndexState,
     KvEventBatch,
     KvEventLog,
     KvIndexFollower,
@@ -40,8 +43,12 @@ class KvIndexSubscriber:
         *,
         timeout_s: float = 2.0,
         engine: bool = False,
+        on_state: Callable[[], None] | None = None,
     ) -> None:
         self.nc, self.follower, self.timeout_s = nc, follower, timeout_s
+        self._on_state = on_state  # called after a node's index state changed
+        # node -> (its index state, since when: wall-clock seconds)
+        self.states: dict[str, tuple[IndexState, float]] = {}
         self.subjects = p.Subjects(ns)
         self._events = self.subjects.engine_kv_events() if engine else self.subjects.kv_events()
         self._snapshot = self.subjects.engine_kv_snapshot if engine else self.subjects.kv_snapshot
@@ -70,11 +77,23 @@ class KvIndexSubscriber:
             return
         batch = KvEventBatch(w.node_id, w.seq, tuple(w.stored), tuple(w.removed), w.epoch)
         res = self.follower.apply(batch)
+        self._changed(w.node_id)
         if isinstance(res, NeedSnapshot) and w.node_id not in self._fetching:
             self._fetching.add(w.node_id)
             task = asyncio.get_running_loop().create_task(self._fetch(w.node_id))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _changed(self, node_id: str) -> None:
+        state = self.follower.state(node_id)
+        known = self.states.get(node_id)
+        if known is not None and known[0] is state:
+            return
+        self.states[node_id] = (state, time.time())
+        if known is not None or state is not IndexState.EXACT:
+            log.info("KV index of %s: %s", node_id, state.value)
+        if self._on_state is not None:
+            self._on_state()
 
     async def _fetch(self, node_id: str) -> None:
         try:
@@ -95,9 +114,11 @@ class KvIndexSubscriber:
                     log.info("snapshot of %s failed (%s); retrying", node_id, type(e).__name__)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
-            log.warning("no usable snapshot from %s: its blocks stay out of the index", node_id)
+            self.follower.degrade(node_id)
+            log.warning("no usable snapshot from %s: its blocks count as unknown", node_id)
         finally:
             self._fetching.discard(node_id)
+            self._changed(node_id)
 
 
 # --- the producer side's wire form (store nodes, engine tiers) ------------------------------

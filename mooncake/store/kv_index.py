@@ -17,6 +17,12 @@ key stored and removed in the same interval ends absent on both sides).
 `epoch` (default "") tells two lives of a producer apart: a node that restarts begins again at
 seq 1, which would otherwise look like a stale duplicate. A new epoch resets that node.
 
+Each node's index is in one state (`IndexState`): EXACT while its batches follow on; RESYNCING
+from a gap until its snapshot (or the missing batch) closes it; DEGRADED when no snapshot could
+be had (`degrade`), until one is. A node not EXACT is `unsure`: the Conductor then counts its
+blocks as unknown, not as hits (`BlockIndex.match(exclude=...)`), so no decision assumes a
+block the index may have missed the removal of.
+
 PURE: no I/O, no clocks.
 """
 
@@ -24,11 +30,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Literal
 
 from mooncake.core.block_index import BlockIndex
 
 MAX_BUFFERED = 4096  # per node, while waiting for a snapshot; beyond it the oldest are dropped
+
+
+class IndexState(StrEnum):
+    EXACT = "exact"
+    RESYNCING = "resyncing"
+    DEGRADED = "degraded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +108,7 @@ class _Stream:
     epoch: str
     expected: int = 1
     awaiting: bool = False
+    degraded: bool = False  # no snapshot could be had for the gap it awaits
     buffer: dict[int, KvEventBatch] = field(default_factory=dict)
 
 
@@ -112,6 +126,27 @@ class KvIndexFollower:
         """Nodes whose snapshot is still awaited."""
         return sorted(n for n, s in self._streams.items() if s.awaiting)
 
+    def state(self, node_id: str) -> IndexState:
+        """A node never heard of is EXACT: it holds nothing the index says it holds."""
+        s = self._streams.get(node_id)
+        if s is None or not s.awaiting:
+            return IndexState.EXACT
+        return IndexState.DEGRADED if s.degraded else IndexState.RESYNCING
+
+    def states(self) -> dict[str, IndexState]:
+        return {n: self.state(n) for n in sorted(self._streams)}
+
+    def unsure(self) -> frozenset[str]:
+        """Nodes whose blocks the index may have wrong (not EXACT)."""
+        return frozenset(n for n, s in self._streams.items() if s.awaiting)
+
+    def degrade(self, node_id: str) -> None:
+        """No snapshot of a resyncing node could be had: DEGRADED until one is loaded (or
+        its missing batch turns up)."""
+        s = self._streams.get(node_id)
+        if s is not None and s.awaiting:
+            s.degraded = True
+
     def expected(self, node_id: str) -> int:
         s = self._streams.get(node_id)
         return 1 if s is None else s.expected
@@ -125,7 +160,7 @@ class KvIndexFollower:
             self._apply(s, batch)
             n = 1 + self._drain(s)
             if not s.buffer:  # a reorder that healed itself: no snapshot needed any more
-                s.awaiting = False
+                s.awaiting = s.degraded = False
             return Applied(batch.node_id, s.expected - 1, n)
         self._buffer(s, batch)
         if s.awaiting:
@@ -142,7 +177,7 @@ class KvIndexFollower:
         self.index.add(snap.node_id, snap.keys)
         self.stats["snapshots"] += 1
         s.expected = snap.seq + 1
-        s.awaiting = False
+        s.awaiting = s.degraded = False
         n = self._drain(s)
         if s.buffer:  # batches newer than the snapshot but not contiguous with it
             s.awaiting = True

@@ -25,7 +25,7 @@ from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
 from mooncake.store.client import ClientConfig, StoreClient
 from mooncake.store.kv_follow import KvIndexSubscriber
-from mooncake.store.kv_index import KvIndexFollower
+from mooncake.store.kv_index import IndexState, KvIndexFollower
 from mooncake.store.master import StoreMaster, new_state
 from mooncake.store.node import NodeConfig, StoreNode
 from mooncake.store.types import Pin, Reason, Tier
@@ -270,19 +270,28 @@ async def test_ssd_tier_offload_and_promotion(cluster: Cluster) -> None:
 async def test_kv_index_follows_nodes_and_resyncs_after_a_gap(cluster: Cluster) -> None:
     node = await cluster.add_node("n1")
     index = BlockIndex()
-    sub = KvIndexSubscriber(cluster.nc, cluster.ns, KvIndexFollower(index))
+    changes: list[dict[str, IndexState]] = []
+    follower = KvIndexFollower(index)
+    sub = KvIndexSubscriber(
+        cluster.nc, cluster.ns, follower, on_state=lambda: changes.append(follower.states())
+    )
     await sub.start()
     try:
         client = cluster.client(("tcp",))
         assert await client.put_many([(f"h{i}", b"x" * 100) for i in range(5)]) == [None] * 5
         await wait_for(lambda: _async(len(index) == 5), 5, "the index to hold 5 keys")
         assert index.holders("h0") == frozenset({"n1"})
+        assert sub.states["n1"][0] is IndexState.EXACT
         # Lose a batch: the node's next one arrives with a gap and the follower resyncs.
         node.kv_log.record(["ghost"], [])
         assert await client.remove("h0", force=True) is None
         await wait_for(lambda: _async(sub.snapshots >= 1), 5, "a snapshot resync")
         await wait_for(lambda: _async("h0" not in _keys(index)), 5, "h0 to leave the index")
         assert index.holders("ghost") == frozenset({"n1"})  # what the node's log says it holds
+        # It went resyncing at the gap and exact again with the snapshot, and said so.
+        seen = [c["n1"] for c in changes if "n1" in c]
+        assert IndexState.RESYNCING in seen and seen[-1] is IndexState.EXACT, seen
+        assert sub.states["n1"][0] is IndexState.EXACT and follower.unsure() == frozenset()
     finally:
         await sub.stop()
 

@@ -84,6 +84,37 @@ def test_remote_prefix_is_fetched_and_copied_past_the_threshold() -> None:
     assert d.copy.keys == KEYS[2:8] and d.copy.sources == ("p1",)
 
 
+def test_blocks_of_a_node_whose_index_is_not_exact_count_as_unknown() -> None:
+    """While p1's KV index resyncs (a gap in its events), the decision assumes none of its
+    blocks: not as its local prefix, not as the pool's to fetch; once exact, it does."""
+    v = view()
+    v.apply(cl.BlocksStored("p1", KEYS[:6]), 0.0)
+    v.apply(cl.BlocksStored("p2", KEYS[:3]), 0.0)
+    v.unsure_nodes = frozenset({"p1"})
+    d = decide(v, req(), CFG, COSTS, 0.0)
+    assert d.remote_prefix_blocks == 3 and d.prefill_instance == "p2"
+    assert all(c[1] <= 3 and c[2] <= 3 for c in d.candidates)  # local, prefix per instance
+    v.unsure_nodes = frozenset({"p1", "p2"})
+    d = decide(v, req(), CFG, COSTS, 0.0)
+    assert d.remote_prefix_blocks == 0 and d.prefix_tokens == 0
+    v.unsure_nodes = frozenset()
+    d = decide(v, req(), CFG, COSTS, 0.0)
+    assert d.prefill_instance == "p1" and d.prefix_tokens == 60
+
+
+def test_an_engine_tier_whose_index_is_not_exact_counts_as_unknown() -> None:
+    v = view()
+    v.engine_blocks.add("p0", KEYS[:5])
+    p0 = v.prefill["p0"]
+    assert v.local_blocks(KEYS, p0, 0) == 5
+    v.unsure_instances = frozenset({"p0"})
+    assert v.local_blocks(KEYS, p0, 0) == 0
+    v.unsure_instances = frozenset()
+    v.blocks.add("p0", KEYS[:7])  # its node's DRAM, followed apart
+    v.unsure_nodes = frozenset({"p0"})
+    assert v.local_blocks(KEYS, p0, 0) == 5  # the engine tier's, not the unsure node's
+
+
 def test_no_instance_and_slo_rejections() -> None:
     assert decide(view(0, 1), req(), CFG, COSTS, 0.0).reason is RejectReason.NO_INSTANCE
     assert decide(view(1, 0), req(), CFG, COSTS, 0.0).reason is RejectReason.NO_INSTANCE

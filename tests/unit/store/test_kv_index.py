@@ -8,6 +8,7 @@ from hypothesis import strategies as hs
 from mooncake.core.block_index import BlockIndex
 from mooncake.store.kv_index import (
     Applied,
+    IndexState,
     KvEventBatch,
     KvEventLog,
     KvIndexFollower,
@@ -173,3 +174,77 @@ def test_a_lossless_stream_needs_no_snapshot(script: list[tuple[list[str], list[
     for stored, removed in script:
         assert isinstance(f.apply(log.record(stored, removed)), Applied)
     assert held(index, "n1", KEYS) == log.keys
+
+
+def test_a_gap_makes_the_node_resyncing_until_its_snapshot_and_degraded_without_one() -> None:
+    f = KvIndexFollower(BlockIndex())
+    log = KvEventLog("n1")
+    b = [log.record([f"k{i}"]) for i in range(4)]
+    assert f.state("n1") is IndexState.EXACT and f.unsure() == frozenset()
+    f.apply(b[0])
+    f.apply(b[2])  # seq 2 lost
+    assert f.state("n1") is IndexState.RESYNCING and f.unsure() == {"n1"}
+    f.degrade("n1")  # no snapshot could be had
+    assert f.state("n1") is IndexState.DEGRADED and f.unsure() == {"n1"}
+    f.load_snapshot(log.snapshot())
+    assert f.state("n1") is IndexState.EXACT and f.states() == {"n1": IndexState.EXACT}
+    f.degrade("n1")  # nothing awaited: stays exact
+    assert f.state("n1") is IndexState.EXACT
+    # A reorder that heals itself is exact again without a snapshot.
+    log2 = KvEventLog("n2")
+    c = [log2.record([f"m{i}"]) for i in range(3)]
+    f.apply(c[0])
+    f.apply(c[2])
+    assert f.state("n2") is IndexState.RESYNCING
+    f.apply(c[1])
+    assert f.state("n2") is IndexState.EXACT and f.unsure() == frozenset()
+
+
+@settings(max_examples=200, deadline=None)
+@given(script=delivery)
+def test_an_exact_node_s_blocks_are_exactly_the_producer_s_at_the_applied_seq(
+    script: list[tuple[tuple[list[str], list[str]], int, int]],
+) -> None:
+    """Whenever a node is EXACT its blocks in the index are the producer's as of the last
+    batch applied (no missed store or removal); while it is not, a match that excludes the
+    unsure nodes counts none of its blocks."""
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    log = KvEventLog("n1")
+    keys_at = {0: frozenset[str]()}
+    wire: list[tuple[int, KvEventBatch]] = []
+    for i, ((stored, removed), copies, delay) in enumerate(script):
+        batch = log.record(stored, removed)
+        keys_at[batch.seq] = log.keys
+        wire += [(i + delay, batch)] * copies
+    wire.sort(key=lambda x: x[0])
+    for _, batch in wire:
+        f.apply(batch)
+        if f.state("n1") is IndexState.EXACT:
+            assert held(index, "n1", KEYS) == keys_at[f.expected("n1") - 1]
+        else:
+            assert f.unsure() == {"n1"}
+            assert index.match(KEYS, f.unsure()).best_blocks == 0
+
+
+keys_lists = hs.lists(hs.sampled_from(KEYS), max_size=len(KEYS), unique=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    holdings=hs.dictionaries(hs.sampled_from(["a", "b", "c", "d"]), keys_lists, max_size=4),
+    exclude=hs.frozensets(hs.sampled_from(["a", "b", "c", "d"])),
+    chain=keys_lists,
+)
+def test_a_match_excluding_nodes_is_the_match_without_them(
+    holdings: dict[str, list[str]], exclude: frozenset[str], chain: list[str]
+) -> None:
+    full, without = BlockIndex(), BlockIndex()
+    for node, keys in holdings.items():
+        full.add(node, keys)
+        if node not in exclude:
+            without.add(node, keys)
+    got, want = full.match(chain, exclude), without.match(chain)
+    assert (got.best_blocks, got.node_blocks, got.full_holders) == (
+        want.best_blocks, want.node_blocks, want.full_holders,
+    )  # fmt: skip
