@@ -172,6 +172,13 @@ class ConductorSettings(BaseModel):
     # not limited per client. A rate of 0 turns the limit off.
     client_rate_per_s: Annotated[float, Field(ge=0)] = 20.0
     client_burst: Annotated[int, Field(ge=1)] = 40
+    # Tenants' shares of the prefill work in flight under contention (core/tenancy.py): a
+    # tenant past its share is rejected with `tenant_quota` once the predicted prefill load
+    # (TTFT / SLO) reaches `tenant_contention`. Weights by tenant; others weigh 1.
+    tenant_weights: dict[
+        Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")], Annotated[float, Field(gt=0)]
+    ] = {}
+    tenant_contention: Annotated[float, Field(ge=0)] = 0.5
 
 
 class GatewaySettings(BaseModel):

@@ -142,6 +142,9 @@ class RejectReason(StrEnum):
     # The prompt, or the prompt and the max_tokens asked for, do not fit the model's context.
     PROMPT_TOO_LONG = "prompt_too_long"
     MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
+    # Under contention its tenant holds more than its fair share of the work in flight
+    # (core/tenancy.py): the others' requests go first.
+    TENANT_QUOTA = "tenant_quota"
 
 
 class RequestAdmitted(RequestEvent):

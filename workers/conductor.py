@@ -275,7 +275,7 @@ class Conductor:
         namespace = dispatch.namespace_of(request, s.shared_cache)
         salt = cache_salt(s.model_id, namespace)
         keys = block_keys(tokens, s.block_tokens, seed=s.hash_seed, salt=salt)
-        sreq = cd.ScheduleRequest(request.request_id, len(tokens), tuple(keys))
+        sreq = cd.ScheduleRequest(request.request_id, len(tokens), tuple(keys), request.tenant)
         now = self._clock()
         decision = admission.decide(self._policy, self.view, sreq, self._cfg, self._costs, now)
         online = self._online

@@ -32,6 +32,7 @@ from typing import Literal
 from mooncake.core import conductor as cd
 from mooncake.core.cluster import ClusterView, DecodeInstance
 from mooncake.core.cost_model import Costs
+from mooncake.core.tenancy import share_verdict
 from mooncake.events import RejectReason
 
 Policy = Literal["none", "baseline", "early", "predicted", "forecast"]
@@ -46,12 +47,45 @@ def decide(
     costs: Costs,
     now: float,
 ) -> cd.Decision:
-    """The admission decision on arrival under `policy`."""
+    """The admission decision on arrival under `policy`; every rejecting policy then holds
+    each tenant to its share under contention (`tenant_share`)."""
     choice = cd.choose(view, req, cfg, costs, now)
     if choice is None:
         return cd.no_instance(req, policy, cfg, now)
     if policy == "none":
         return cd.decision_from(choice, policy, None, cfg)
+    return tenant_share(_by_policy(policy, choice, view, req, cfg, costs, now), view, cfg)
+
+
+def tenant_share(decision: cd.Decision, view: ClusterView, cfg: cd.ConductorConfig) -> cd.Decision:
+    """An admission turned into a `tenant_quota` rejection where the cluster is contended
+    (the predicted prefill load at least `cfg.tenants.contention`) and the request's tenant
+    already holds more than its fair share of the prefill work in flight (core/tenancy.py)."""
+    load = decision.prefill_load
+    if not decision.admitted or load is None or load < cfg.tenants.contention:
+        return decision
+    verdict = share_verdict(view.tenant_prefill_work(), decision.tenant, cfg.tenants)
+    if not verdict.over:
+        return decision
+    extra = (
+        ("tenant_held_s", verdict.held_s), ("tenant_share", verdict.share),
+        ("tenant_fair", verdict.fair),
+    )  # fmt: skip
+    return dataclasses.replace(
+        decision, admitted=False, reason=RejectReason.TENANT_QUOTA, stage="admission",
+        extra=(*decision.extra, *extra),
+    )  # fmt: skip
+
+
+def _by_policy(
+    policy: Policy,
+    choice: cd.Choice,
+    view: ClusterView,
+    req: cd.ScheduleRequest,
+    cfg: cd.ConductorConfig,
+    costs: Costs,
+    now: float,
+) -> cd.Decision:
     # Every rejecting policy judges TTFT with the margin the latest misses call for.
     m = cd.ttft_margin(view, cfg)
     match policy:

@@ -28,6 +28,7 @@ from typing import Literal
 from mooncake.core.block_index import BlockIndex
 from mooncake.core.decode_forecast import FinishedDecodes
 from mooncake.core.ttft_error import TtftErrors
+from mooncake.hashing import DEFAULT_TENANT
 
 # --- facts (what the worker derives from bus events; what the simulator emits) ----------------
 
@@ -64,6 +65,7 @@ class Assigned:
     # CPP: the other prefill instances of its group (stages 1..), each held for the whole
     # pipelined prefill from when the last of the group is free.
     stage_instances: tuple[str, ...] = ()
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +232,7 @@ class Inflight:
     predicted_ttft_s: float = 0.0  # at admission (the error sample's denominator)
     sampled: bool = True
     stage_instances: tuple[str, ...] = ()  # CPP: the group's other prefill instances
+    tenant: str = DEFAULT_TENANT
 
     @property
     def prefill_group(self) -> tuple[str, ...]:
@@ -277,6 +280,16 @@ class ClusterView:
                 break
             n += 1
         return max(n, in_dram)
+
+    def tenant_prefill_work(self) -> dict[str, float]:
+        """Predicted prefill seconds in flight (queued or running) per tenant, a group's
+        counted once per member (core/tenancy.py)."""
+        out: dict[str, float] = {}
+        for r in self.inflight.values():
+            if r.phase in ("queued", "prefilling"):
+                held = r.predicted_prefill_s * len(r.prefill_group)
+                out[r.tenant] = out.get(r.tenant, 0.0) + held
+        return out
 
     def prefill_instances(self) -> Iterator[PrefillInstance]:
         return iter(self.prefill_order)
@@ -372,6 +385,7 @@ class ClusterView:
             predicted_ttft_s=f.predicted_ttft_s,
             sampled=f.sampled,
             stage_instances=f.stage_instances,
+            tenant=f.tenant,
         )
 
     def _dequeue(self, r: Inflight) -> list[PrefillInstance]:

@@ -66,7 +66,9 @@ from mooncake.core.block_index import PrefixMatch
 from mooncake.core.cluster import Assigned, ClusterView, DecodeInstance, PrefillInstance
 from mooncake.core.cost_model import Costs
 from mooncake.core.cpp import CppConfig, CppGroup, choose_group
+from mooncake.core.tenancy import TenantShares
 from mooncake.events import RejectReason
+from mooncake.hashing import DEFAULT_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,8 @@ class ConductorConfig:
     # Chunked pipeline parallelism (core/cpp.py): when a prefill runs on a group of
     # instances; the default (max_stages 1) never groups.
     cpp: CppConfig = field(default_factory=CppConfig)
+    # Per-tenant admission shares under contention (core/tenancy.py).
+    tenants: TenantShares = field(default_factory=TenantShares)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,7 @@ class ScheduleRequest:
     request_id: str
     prompt_tokens: int
     keys: tuple[str, ...]  # chained block keys of the prompt's whole blocks
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +173,7 @@ class Decision:
     extra: tuple[tuple[str, float], ...] = ()
     # CPP: the prefill group's stages after `prefill_instance` (stage 0); () = one instance.
     stage_instances: tuple[str, ...] = ()
+    tenant: str = DEFAULT_TENANT
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable; what `RequestAdmitted.inputs` / `RequestRejected.inputs` hold.
@@ -397,13 +403,15 @@ def decision_from(
         decode_candidates=c.decode_candidates,
         extra=extra,
         stage_instances=c.stage_instances,
+        tenant=c.request.tenant,
     )
 
 
 def no_instance(req: ScheduleRequest, policy: str, cfg: ConductorConfig, now: float) -> Decision:
     return Decision(
-        req.request_id, policy, False, RejectReason.NO_INSTANCE, now, req.prompt_tokens, config=cfg
-    )
+        req.request_id, policy, False, RejectReason.NO_INSTANCE, now, req.prompt_tokens,
+        config=cfg, tenant=req.tenant,
+    )  # fmt: skip
 
 
 def rejection_detail(d: Decision) -> str:
@@ -442,6 +450,15 @@ def rejection_detail(d: Decision) -> str:
             return (
                 f"prefill load {load} (predicted TTFT {ttft}: {ttft_parts}; SLO {ttft_slo}) "
                 f"under the {d.policy} policy"
+            )
+        case RejectReason.TENANT_QUOTA:
+            x = dict(d.extra)
+            return (
+                f"tenant {d.tenant} holds {x.get('tenant_share', 0.0):.0%} of the prefill work "
+                f"in flight ({x.get('tenant_held_s', 0.0):.1f} s), over its fair share of "
+                f"{x.get('tenant_fair', 0.0):.0%}, while the cluster is contended (prefill load "
+                f"{d.prefill_load or 0.0:.2f} >= {cfg.tenants.contention:g}): other tenants' "
+                "requests go first"
             )
         case RejectReason.DECODE_OVERLOADED:
             load = f"{d.decode_load:.2f}" if d.decode_load is not None else "over 1"
@@ -514,4 +531,5 @@ def assignment(decision: Decision, *, sampled: bool = True) -> Assigned | None:
         cached_tokens=decision.prefix_tokens,
         sampled=sampled,
         stage_instances=decision.stage_instances,
+        tenant=decision.tenant,
     )

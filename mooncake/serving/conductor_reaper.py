@@ -211,7 +211,7 @@ class Reaper:
                 work.token_ids, self.settings.block_tokens, seed=self.settings.hash_seed,
                 salt=cache_salt(self.settings.model_id, work.cache_namespace),
             )  # fmt: skip
-            req = cd.ScheduleRequest(work.request_id, len(work.token_ids), tuple(keys))
+            req = cd.ScheduleRequest(work.request_id, len(work.token_ids), tuple(keys), work.tenant)
             choice = cd.choose(self.view, req, self.cfg, self.costs, now)
             if choice is None:
                 return None
@@ -232,7 +232,7 @@ class Reaper:
             self.view.apply(
                 cl.Assigned(
                     work.request_id, choice.prefill.id, decode, len(work.token_ids),
-                    choice.prefill_s, choice.ttft_s,
+                    choice.prefill_s, choice.ttft_s, tenant=work.tenant,
                 ),
                 now,
             )  # fmt: skip

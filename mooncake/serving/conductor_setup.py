@@ -26,6 +26,7 @@ from mooncake.core.cost_model import (
     reference_costs,
 )
 from mooncake.core.online_cost import OnlineCostModel
+from mooncake.core.tenancy import TenantShares
 
 HARDWARE = {"8xA800": A800_X8, "8xH800": H800_X8}
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; the engine keeps KV in float32 on CPU.
@@ -42,6 +43,9 @@ def conductor_config(settings: Settings) -> ConductorConfig:
         tbt_slo_s=settings.slo.tbt_s,
         uniform_decode_s=c.uniform_decode_s,
         ttft_margin_quantile=c.ttft_margin_quantile,
+        tenants=TenantShares(
+            weights=tuple(sorted(c.tenant_weights.items())), contention=c.tenant_contention
+        ),
     )
 
 

@@ -264,6 +264,35 @@ async def test_admits_to_the_prefix_holder_and_dispatches_its_work(
         assert "token_ids" in bad["detail"]
 
 
+async def test_a_flooding_tenant_past_its_share_is_rejected_and_the_others_admitted(
+    nats_url: str, namespace: str
+) -> None:
+    """Shares made to bind at any load (contention 0): the prefill work queued on the fake
+    instance (it takes none) piles up; the tenant holding most of it is refused with
+    `tenant_quota`, the other is admitted, and each decision records its tenant."""
+    conductor_over = {"tenant_contention": 0.0, "online_cost": False}
+    s = live_settings(nats_url, namespace, admission_policy="early", conductor=conductor_over)
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        order = [("f1", "flood"), ("f2", "flood"), ("c1", "calm"), ("f3", "flood"),
+                 ("c2", "calm")]  # fmt: skip
+        outs = {}
+        for i, (rid, tenant) in enumerate(order):
+            await cl.submit(rid, token_ids=tokens(40, salt=i), tenant=tenant)
+            outs[rid] = await cl.outcome(rid)  # one after the other: the order is the test
+        kinds = {rid: (o["type"], o.get("reason")) for rid, o in outs.items()}
+        admitted = ("request.admitted", None)
+        assert kinds == {
+            "f1": admitted, "f2": admitted,  # alone: never over its share
+            "c1": admitted,  # holds nothing
+            "f3": ("request.rejected", "tenant_quota"),  # 2 of 3 queued prefills are flood's
+            "c2": admitted,  # 1 of 3: within its half
+        }, kinds  # fmt: skip
+        assert outs["f3"]["detail"].startswith("tenant flood holds 67% of the prefill work")
+        assert {rid: o["inputs"]["tenant"] for rid, o in outs.items()} == dict(order)
+
+
 async def _held(conductor: conductor_worker.Conductor, node: str, keys: list[str]) -> bool:
     return conductor.view.blocks.match(keys).local_blocks(node) == len(keys)
 
