@@ -61,6 +61,10 @@ def chunk_ranges(
         # The least b whose prefix [start, b) costs i / count of the whole (bisection: the
         # cost grows with b), leaving at least one token to each chunk after it.
         target, lo, hi = total * i / count, bounds[-1] + 1, end - (count - i)
+        if i >= 2:  # a token costs no less than the one before: no chunk outgrows the last
+            near = bounds[-1] + (bounds[-1] - bounds[-2]) + 1
+            if near < hi and cost(near, start) >= target:
+                hi = near
         while lo < hi:
             mid = (lo + hi) // 2
             if cost(mid, start) >= target:
@@ -150,7 +154,7 @@ class CppConfig:
     # over X x the group's, the members' wait for the last of them to be free counted as
     # spent): the rest is lost to the pipeline's fill, the hops and the gang's alignment,
     # capacity every other request would have had.
-    min_efficiency: float = 0.9
+    min_efficiency: float = 0.95
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,9 +188,13 @@ def choose_group(
     time busy. A prompt of one chunk runs on one worker."""
     if cfg.max_stages < 2 or not others:
         return None
-    chunks = chunk_ranges(start, end, cfg.chunk_tokens, prefill_s)
-    if len(chunks) < 2:
+    count = -(-(end - start) // cfg.chunk_tokens)
+    # A pipeline of C chunks of one cost over X stages keeps at most C / (C + X - 1) of its
+    # workers busy (the fill), X = 2 the most: past that bound no group qualifies, and the
+    # costs are not worked out (most prompts: at 0.95 a group needs 19 chunks or more).
+    if count < 2 or count / (count + 1) < cfg.min_efficiency * (1 - 1e-3):
         return None
+    chunks = chunk_ranges(start, end, cfg.chunk_tokens, prefill_s)
     single = prefill_s(end, start)
     per_chunk = [prefill_s(b, a) for a, b in chunks]
     ranked = sorted(others)

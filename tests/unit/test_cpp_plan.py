@@ -124,7 +124,7 @@ IDLE = [(0.0, "p1"), (0.0, "p2"), (0.0, "p3")]
 
 
 def group(end: int, others=IDLE, *, leader_q: float = 0.0, hop: float = 0.0, **cfg):  # type: ignore[no-untyped-def]
-    conf = CppConfig(**{"max_stages": 4, "layers": 32, **cfg})
+    conf = CppConfig(**{"max_stages": 4, "layers": 32, "min_efficiency": 0.9, **cfg})
     return choose_group(quadratic, conf, start=0, end=end, leader_queue_s=leader_q,
                         others=others, hop_s=hop)  # fmt: skip
 
