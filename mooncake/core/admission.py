@@ -64,6 +64,8 @@ def tenant_share(decision: cd.Decision, view: ClusterView, cfg: cd.ConductorConf
     load = decision.prefill_load
     if not decision.admitted or load is None or load < cfg.tenants.contention:
         return decision
+    if len(view.tenants_inflight) < 2:  # one tenant (or none) in flight: within its share
+        return decision
     verdict = share_verdict(view.tenant_prefill_work(), decision.tenant, cfg.tenants)
     if not verdict.over:
         return decision

@@ -252,6 +252,9 @@ class ClusterView:
         self.unsure_nodes: frozenset[str] = frozenset()
         self.unsure_instances: frozenset[str] = frozenset()
         self.inflight: dict[str, Inflight] = {}
+        # Requests in flight per tenant: with fewer than two tenants no share can bind, and
+        # the per-tenant work (`tenant_prefill_work`, a walk of `inflight`) is not summed.
+        self.tenants_inflight: dict[str, int] = {}
         # The latest finished requests' outputs and decode times (core/decode_forecast.py).
         self.finished = FinishedDecodes()
         # Observed / predicted TTFT of the latest prefills (core/ttft_error.py).
@@ -387,6 +390,7 @@ class ClusterView:
             stage_instances=f.stage_instances,
             tenant=f.tenant,
         )
+        self.tenants_inflight[f.tenant] = self.tenants_inflight.get(f.tenant, 0) + 1
 
     def _dequeue(self, r: Inflight) -> list[PrefillInstance]:
         """Take `r` off the queue of every instance of its prefill group; those still here."""
@@ -476,6 +480,11 @@ class ClusterView:
         r = self.inflight.pop(rid, None)
         if r is None:
             return
+        left = self.tenants_inflight.get(r.tenant, 0) - 1
+        if left > 0:
+            self.tenants_inflight[r.tenant] = left
+        else:
+            self.tenants_inflight.pop(r.tenant, None)
         self._end_prefill(r)
         d = self.decode.get(r.decode_instance)
         if d is None:

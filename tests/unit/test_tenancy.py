@@ -98,9 +98,15 @@ def test_shares_do_not_bind_without_contention_or_for_policy_none() -> None:
 def test_work_leaves_the_tenant_s_count_when_its_prefill_ends() -> None:
     v = view()
     flood(v, "a", 2, 1.0)
+    flood(v, "b", 1, 1.0)
     v.apply(cl.PrefillStarted("a-0"), 0.0)
-    assert v.tenant_prefill_work() == {"a": 2.0}
+    assert v.tenant_prefill_work() == {"a": 2.0, "b": 1.0}
+    assert v.tenants_inflight == {"a": 2, "b": 1}
     v.apply(cl.PrefillFinished("a-0"), 1.0)
-    assert v.tenant_prefill_work() == {"a": 1.0}
+    assert v.tenant_prefill_work() == {"a": 1.0, "b": 1.0}
     v.apply(cl.RequestDropped("a-1"), 1.0)
+    v.apply(cl.RequestDropped("b-0"), 1.0)
     assert v.tenant_prefill_work() == {}
+    assert v.tenants_inflight == {"a": 1}  # a-0 decodes on: still in flight
+    v.apply(cl.DecodeFinished("a-0", 3), 2.0)
+    assert v.tenants_inflight == {}
