@@ -15,6 +15,14 @@ blocks and a partial one) is sent, one request after the other:
 The figures come from the record (`requests.cached_tokens`: what each prefill reused) and
 from the client (TTFT). `cross_tenant_cached_tokens` must be 0, B's TTFT cold-level (nearer
 A's cold TTFT than A's warm one), and the warm and shared requests must have hit.
+
+Then the flood (`FloodOptions`, unless `flood=None`): two calm tenants send short prompts at a
+steady rate, first alone for `seconds`, then for as long again beside a third tenant sending
+at `factor` times one calm tenant's rate. The calm rate is set from a lone request's TTFT
+(`load` of one prefill instance per calm tenant), so the flood alone asks for more prefill
+than the cluster has. `others_goodput_ratio`: the calm tenants' goodput (requests finished
+within the settings' TTFT and TBT SLOs) beside the flood over alone; the flood's rejections
+by reason (`tenant_quota` where the shares bound, core/tenancy.py).
 """
 
 from __future__ import annotations
@@ -48,12 +56,22 @@ TENANTS = {  # kind -> (tenant, shared namespace)
 
 
 @dataclass(frozen=True)
+class FloodOptions:
+    seconds: float = 90.0  # each phase's arrivals
+    factor: float = 10.0  # the flood's rate over one calm tenant's
+    load: float = 0.1  # one calm tenant's prefill load (of one instance) from a lone TTFT
+    prompt_tokens: int = 200
+    max_tokens: int = 8
+
+
+@dataclass(frozen=True)
 class IsolationOptions:
     prompts: int = 4
     blocks: int = 4  # whole blocks of each prompt (plus a partial one)
     max_tokens: int = 2
     ready_timeout_s: float = 600.0
     request_timeout_s: float = 300.0
+    flood: FloodOptions | None = FloodOptions()
 
 
 def bench_prompts(n: int, tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -144,6 +162,9 @@ async def _measure(
                 ttft[kind].append(out.ttft_s)
             log(f"isolation: prompt {i + 1}: TTFT " + ", ".join(
                 f"{k} {ttft[k][-1]:.2f} s" for k in KINDS))  # fmt: skip
+        flood = None
+        if opts.flood is not None:
+            flood = await _flood(nc, ns, settings, opts.flood, run, log)
     finally:
         await nc.drain()
     assert settings.database_url is not None
@@ -157,7 +178,102 @@ async def _measure(
     cached = {rid: int(c or 0) for rid, c in found}
     if set(cached) != set(every):
         raise RuntimeError(f"the record lacks {sorted(set(every) - set(cached))[:5]}")
-    return figures(ids, ttft, cached)
+    result = figures(ids, ttft, cached)
+    if flood is not None:
+        result["flood"] = flood
+        result["checks"].update(flood["checks"])
+        result["checks_passed"] = all(result["checks"].values())
+    return result
+
+
+CALM = ("calm-1", "calm-2")
+FLOOD = "flood"
+
+
+async def _flood(
+    nc: Any, ns: ev.Namespace, settings: Settings, f: FloodOptions, run: str, log: Log
+) -> dict[str, Any]:
+    """The two phases (see the module doc); their figures and checks."""
+    from mooncake.client import ask
+    from mooncake.model_info import model_spec
+
+    spec_vocab = model_spec(settings.engine).vocab_size
+    params = ev.SamplingParams(max_tokens=f.max_tokens, temperature=0.0)
+    seq = iter(range(10**9))
+
+    def prompt() -> list[int]:
+        import random
+
+        rng = random.Random(f"{run}-{next(seq)}")
+        return [rng.randrange(256, spec_vocab) for _ in range(f.prompt_tokens)]
+
+    timeout = 4 * settings.slo.ttft_s + 60.0
+    lone = await ask(nc, token_ids=prompt(), ns=ns, params=params, tenant=CALM[0],
+                     timeout_s=timeout)  # fmt: skip
+    if not lone.finished or lone.ttft_s is None:
+        raise RuntimeError(f"a lone flood-shaped request did not complete: {lone.error}")
+    calm_rate = f.load / lone.ttft_s
+    log(f"isolation: flood: a lone request's TTFT {lone.ttft_s:.2f} s; calm tenants at "
+        f"{calm_rate:.3f}/s each, the flood at {f.factor * calm_rate:.3f}/s")  # fmt: skip
+
+    async def phase(tenants: dict[str, float]) -> dict[str, list[Any]]:
+        arrivals = sorted(
+            (k / rate, t) for t, rate in tenants.items() for k in range(int(f.seconds * rate))
+        )
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks: list[tuple[str, asyncio.Task[Any]]] = []
+        for at, tenant in arrivals:
+            await asyncio.sleep(max(0.0, start + at - loop.time()))
+            task = asyncio.create_task(ask(nc, token_ids=prompt(), ns=ns, params=params,
+                                           tenant=tenant, timeout_s=timeout))  # fmt: skip
+            tasks.append((tenant, task))
+        out: dict[str, list[Any]] = {t: [] for t in tenants}
+        for tenant, task in tasks:
+            out[tenant].append(await task)
+        return out
+
+    alone = await phase(dict.fromkeys(CALM, calm_rate))
+    log("isolation: flood: the calm tenants alone done; now beside the flood")
+    beside = await phase({**dict.fromkeys(CALM, calm_rate), FLOOD: f.factor * calm_rate})
+    return flood_figures(alone, beside, settings.slo.ttft_s, settings.slo.tbt_s, calm_rate)
+
+
+def _good(o: Any, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+    return bool(o.finished and o.ttft_s is not None and o.ttft_s <= ttft_slo_s
+                and (o.tbt_s is None or o.tbt_s <= tbt_slo_s))  # fmt: skip
+
+
+def flood_figures(
+    alone: dict[str, list[Any]], beside: dict[str, list[Any]], ttft_slo_s: float,
+    tbt_slo_s: float, calm_rate: float,
+) -> dict[str, Any]:  # fmt: skip
+    """Goodput of the calm tenants alone and beside the flood, the flood's outcomes."""
+
+    def good(outs: list[Any]) -> int:
+        return sum(_good(o, ttft_slo_s, tbt_slo_s) for o in outs)
+
+    calm_alone = sum(good(alone[t]) for t in CALM)
+    calm_beside = sum(good(beside[t]) for t in CALM)
+    reasons: dict[str, int] = {}
+    for o in beside.get(FLOOD, []):
+        if (why := o.rejected_reason) is not None:
+            reasons[why] = reasons.get(why, 0) + 1
+    ratio = calm_beside / calm_alone if calm_alone else None
+    return {
+        "calm_rate_per_s": round(calm_rate, 4),
+        "calm_requests": sum(len(alone[t]) for t in CALM),
+        "calm_goodput_alone": calm_alone,
+        "calm_goodput_beside_flood": calm_beside,
+        "others_goodput_ratio": None if ratio is None else round(ratio, 3),
+        "flood_requests": len(beside.get(FLOOD, [])),
+        "flood_goodput": good(beside.get(FLOOD, [])),
+        "flood_rejections": dict(sorted(reasons.items())),
+        "checks": {
+            "others_goodput_ratio >= 0.9": ratio is not None and ratio >= 0.9,
+            "the flood's rejections carry tenant_quota": reasons.get("tenant_quota", 0) > 0,
+        },
+    }
 
 
 def figures(

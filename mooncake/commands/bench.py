@@ -260,17 +260,26 @@ def bench_isolation(
     kv_cache_bytes: Annotated[
         str, typer.Option(help="Bytes of each prefill/decode worker's KV pool, e.g. 1.5GiB")
     ] = "1GiB",
+    flood: Annotated[
+        bool, typer.Option("--flood/--no-flood", help="Then the flood of one tenant")
+    ] = True,
+    flood_seconds: Annotated[
+        float, typer.Option(min=5, help="Arrivals of each flood phase (alone, beside)")
+    ] = 90.0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Tenants and the shared KV pool (as `mooncake up` runs it, on a private broker and
     database): tenant B sending tenant A's prompts reuses none of A's cached blocks
     (cross_tenant_cached_tokens == 0) and waits a cold prefill's TTFT, while A's own repeat
-    and two tenants naming one shared cache namespace hit."""
-    from mooncake.bench.isolation import IsolationOptions, run_isolation_bench
+    and two tenants naming one shared cache namespace hit. Then two calm tenants' goodput
+    alone and beside a third at 10x their rate (others_goodput_ratio, the flood's
+    rejections by reason)."""
+    from mooncake.bench.isolation import FloodOptions, IsolationOptions, run_isolation_bench
     from mooncake.engine.errors import EngineError
 
     settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes)
-    opts = IsolationOptions(prompts=prompts, blocks=blocks)
+    flooding = FloodOptions(seconds=flood_seconds) if flood else None
+    opts = IsolationOptions(prompts=prompts, blocks=blocks, flood=flooding)
     try:
         result = asyncio.run(run_isolation_bench(settings, opts, log=err.print))
     except (ValueError, EngineError, OSError) as exc:

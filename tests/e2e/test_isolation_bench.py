@@ -8,7 +8,15 @@ import json
 
 import pytest
 
-from mooncake.bench.isolation import IsolationOptions, figures, run_isolation_bench
+from mooncake.bench.isolation import (
+    CALM,
+    FLOOD,
+    IsolationOptions,
+    figures,
+    flood_figures,
+    run_isolation_bench,
+)
+from mooncake.client import Outcome
 from mooncake.config import load_settings
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +37,11 @@ async def test_tenants_reuse_no_blocks_of_each_other_through_the_real_roles(
     for k, v in ENV.items():  # the workers are `mooncake up`'s children: they read these too
         monkeypatch.setenv(k, v)
     settings = load_settings(kv_cache_bytes=64 << 20)
-    opts = IsolationOptions(prompts=2, blocks=8, ready_timeout_s=120.0, request_timeout_s=60.0)
+    # No flood phase here: its rates follow a lone request's TTFT, which the dummy model
+    # makes too small to overload anything in CI time (`flood_figures` is tested below).
+    opts = IsolationOptions(
+        prompts=2, blocks=8, ready_timeout_s=120.0, request_timeout_s=60.0, flood=None
+    )
     out = await run_isolation_bench(settings, opts, log=lambda m: print(m, flush=True))
     print(json.dumps(out))
     assert out["cross_tenant_cached_tokens"] == 0, out
@@ -58,3 +70,38 @@ def test_the_figures_flag_a_cross_tenant_hit_and_a_warm_level_ttft() -> None:
     assert not leaked["checks_passed"] and leaked["cross_tenant_cached_tokens"] == 512
     fast = figures(ids, {**ttft, "cross": [0.4, 0.5]}, cached)
     assert not fast["checks"]["cross-tenant TTFT cold-level"] and not fast["checks_passed"]
+
+
+def outcome(
+    ttft: float | None, finish: str | None = "stop", rejected: str | None = None
+) -> Outcome:
+    o = Outcome("r", submitted_at=0.0, finish_reason=finish)
+    if ttft is not None:
+        o.first_token_at = ttft
+        o.token_times = [ttft, ttft + 0.05]
+    if rejected is not None:
+        o.decision = {"type": "request.rejected", "reason": rejected}
+    return o
+
+
+def test_flood_figures_count_goodput_within_both_slos_and_the_flood_s_reasons() -> None:
+    good, slow, gappy = outcome(1.0), outcome(40.0), outcome(1.0)
+    gappy.token_times = [1.0, 1.5]  # a 0.5 s gap: over a 0.1 s TBT limit
+    alone = {CALM[0]: [good, good], CALM[1]: [good, good]}
+    beside = {
+        CALM[0]: [good, good], CALM[1]: [good, slow],
+        FLOOD: [outcome(None, None, "tenant_quota")] * 3 + [outcome(None, None, "ttft_slo"), good],
+    }  # fmt: skip
+    f = flood_figures(alone, beside, 30.0, 0.1, 0.5)
+    assert (f["calm_goodput_alone"], f["calm_goodput_beside_flood"]) == (4, 3)
+    assert f["others_goodput_ratio"] == 0.75 and not f["checks"]["others_goodput_ratio >= 0.9"]
+    assert f["flood_rejections"] == {"tenant_quota": 3, "ttft_slo": 1}
+    assert f["flood_goodput"] == 1 and f["checks"]["the flood's rejections carry tenant_quota"]
+    kept = flood_figures(alone, {**beside, CALM[1]: [good, good]}, 30.0, 0.1, 0.5)
+    assert kept["others_goodput_ratio"] == 1.0 and kept["checks"]["others_goodput_ratio >= 0.9"]
+    assert (
+        flood_figures(alone, {**beside, CALM[0]: [gappy, good]}, 30.0, 0.1, 0.5)[
+            "calm_goodput_beside_flood"
+        ]
+        == 2
+    )
