@@ -63,6 +63,19 @@ def block_keys(tokens: Sequence[int], block_tokens: int, *, seed: int, salt: str
     return keys
 
 
+def request_keys(
+    tokens: Sequence[int],
+    block_tokens: int,
+    *,
+    seed: int,
+    model_id: str,
+    namespace: str = DEFAULT_CACHE_NAMESPACE,
+) -> list[str]:
+    """A request's block keys: `block_keys` salted with its model and cache namespace (what
+    the Conductor, the prefill worker and the reaper all key a prompt's blocks by)."""
+    return block_keys(tokens, block_tokens, seed=seed, salt=cache_salt(model_id, namespace))
+
+
 def common_prefix_blocks(a: Sequence[str], b: Sequence[str]) -> int:
     """How many leading blocks two key chains share (chaining makes this a prefix test)."""
     n = 0

@@ -57,7 +57,7 @@ from mooncake.core.cost_model import Costs
 from mooncake.core.online_cost import observe_fact
 from mooncake.engine.errors import EngineError
 from mooncake.events import RejectReason
-from mooncake.hashing import block_keys, cache_salt
+from mooncake.hashing import request_keys
 from mooncake.model_info import ModelHeader, model_header
 from mooncake.ratelimit import ClientLimits, Limit
 from mooncake.serving import conductor_dispatch as dispatch
@@ -273,8 +273,9 @@ class Conductor:
                 )
         s = self._ctx.settings
         namespace = dispatch.namespace_of(request, s.shared_cache)
-        salt = cache_salt(s.model_id, namespace)
-        keys = block_keys(tokens, s.block_tokens, seed=s.hash_seed, salt=salt)
+        keys = request_keys(
+            tokens, s.block_tokens, seed=s.hash_seed, model_id=s.model_id, namespace=namespace
+        )
         sreq = cd.ScheduleRequest(request.request_id, len(tokens), tuple(keys), request.tenant)
         now = self._clock()
         decision = admission.decide(self._policy, self.view, sreq, self._cfg, self._costs, now)

@@ -1,8 +1,8 @@
 """Prefill of one sequence, optionally starting from KV it already holds (a cached prefix).
 
-Block keys come from `mooncake.hashing.block_keys` (seeded, salted by model id), so a key
-names a prefix and its KV can be fetched from the store (or found in the engine's own pool)
-and handed to `prefill` as `prefix`.
+Block keys come from `mooncake.hashing.request_keys` (seeded, salted by the model id and the
+request's cache namespace), so a key names a prefix and its KV can be fetched from the store
+(or found in the engine's own pool) and handed to `prefill` as `prefix`.
 
 Every engine owns one KV pool (`engine.pool`), allocated once from a byte budget; all of its
 sequences' KV lives in pages of it.
@@ -25,7 +25,7 @@ from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks
 from mooncake.engine.paged import PagedPrefill
 from mooncake.engine.pool import KVPool, KVPoolExhausted, PagedKV, page_tokens_for
 from mooncake.engine.tokenizer import ChatTokenizer
-from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, block_keys, cache_salt
+from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, request_keys
 
 # Without a budget, an engine's pool holds this many full contexts (tests, tools): the
 # memory is reserved, and only what is written becomes resident.
@@ -122,8 +122,10 @@ class Engine:
     ) -> list[str]:
         """The chained keys of `tokens`' whole blocks in a request's cache `namespace`
         (`hashing.cache_namespace`; the default tenant's own by default)."""
-        salt = cache_salt(self.model_id, namespace)
-        return block_keys(tokens, self.block_tokens, seed=self.hash_seed, salt=salt)
+        return request_keys(
+            tokens, self.block_tokens, seed=self.hash_seed, model_id=self.model_id,
+            namespace=namespace,
+        )  # fmt: skip
 
     def new_kv(self) -> PagedKV:
         return self.pool.sequence()

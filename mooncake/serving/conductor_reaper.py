@@ -40,7 +40,7 @@ from mooncake.config import Settings
 from mooncake.core import cluster as cl
 from mooncake.core import conductor as cd
 from mooncake.core.cost_model import Costs
-from mooncake.hashing import block_keys, cache_salt
+from mooncake.hashing import request_keys
 from mooncake.serving.conductor_dispatch import redispatch_msg_id
 from mooncake.serving.conductor_feed import Member
 from mooncake.serving.conductor_terminal import failed_event_id
@@ -207,9 +207,9 @@ class Reaper:
         """Publish the work again to a live instance; the instance, or None if none is."""
         now = self._clock()
         if isinstance(work, PrefillWork):
-            keys = block_keys(
+            keys = request_keys(
                 work.token_ids, self.settings.block_tokens, seed=self.settings.hash_seed,
-                salt=cache_salt(self.settings.model_id, work.cache_namespace),
+                model_id=self.settings.model_id, namespace=work.cache_namespace,
             )  # fmt: skip
             req = cd.ScheduleRequest(work.request_id, len(work.token_ids), tuple(keys), work.tenant)
             choice = cd.choose(self.view, req, self.cfg, self.costs, now)

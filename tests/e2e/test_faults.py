@@ -82,7 +82,7 @@ from mooncake.db.rebuild import verify
 from mooncake.db.record import Incoming, record_events
 from mooncake.engine import generate
 from mooncake.engine.sampling import SamplingParams as EngineParams
-from mooncake.hashing import block_keys
+from mooncake.hashing import request_keys
 from mooncake.replay_live import LiveReplayOptions, scaled_request
 from mooncake.services import EmbeddedPostgres, free_port
 from mooncake.serving.models import build_engine
@@ -527,8 +527,8 @@ def _hot_key(settings: Settings, trace: list[Any]) -> str:
     request of the conversation trace)."""
     opts = LiveReplayOptions(TRACE, tokens_per_block=16, vocab_size=settings.engine.dummy.vocab)
     tokens, _ = scaled_request(trace[0], opts, settings.hash_seed)
-    keys = block_keys(
-        tokens, settings.block_tokens, seed=settings.hash_seed, salt=settings.model_id
+    keys = request_keys(
+        tokens, settings.block_tokens, seed=settings.hash_seed, model_id=settings.model_id
     )
     return keys[0]
 

@@ -34,7 +34,7 @@ from mooncake.bus.consume import PullConsumer
 from mooncake.bus.publish import Publisher
 from mooncake.client import SystemDown, check_admitting
 from mooncake.config import BusSettings, ConductorSettings, DummyModel, EngineSettings, Settings
-from mooncake.hashing import block_keys
+from mooncake.hashing import request_keys
 from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_reaper import Role, work_consumer
 from mooncake.stack import other_system
@@ -212,7 +212,7 @@ def tokens(n: int, salt: int = 0) -> list[int]:
 
 
 def keys_of(s: Settings, toks: list[int]) -> list[str]:
-    return block_keys(toks, s.block_tokens, seed=s.hash_seed, salt=s.model_id)
+    return request_keys(toks, s.block_tokens, seed=s.hash_seed, model_id=s.model_id)
 
 
 async def test_admits_to_the_prefix_holder_and_dispatches_its_work(
