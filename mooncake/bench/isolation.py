@@ -18,11 +18,12 @@ A's cold TTFT than A's warm one), and the warm and shared requests must have hit
 
 Then the flood (`FloodOptions`, unless `flood=None`): two calm tenants send short prompts at a
 steady rate, first alone for `seconds`, then for as long again beside a third tenant sending
-at `factor` times one calm tenant's rate. The calm rate is set from a lone request's TTFT
-(`load` of one prefill instance per calm tenant), so the flood alone asks for more prefill
-than the cluster has. `others_goodput_ratio`: the calm tenants' goodput (requests finished
-within the settings' TTFT and TBT SLOs) beside the flood over alone; the flood's rejections
-by reason (`tenant_quota` where the shares bound, core/tenancy.py).
+at `factor` times one calm tenant's rate. The rates come from a lone request's TTFT: the
+flood alone asks for `overload` times what the prefill pool can do (its instances over that
+TTFT), one calm tenant for a `factor`-th of that. `others_goodput_ratio`: the calm tenants'
+goodput (requests finished within the settings' TTFT and TBT SLOs) beside the flood over
+alone; the flood's rejections by reason (`tenant_quota` where the shares bound,
+core/tenancy.py).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ TENANTS = {  # kind -> (tenant, shared namespace)
 class FloodOptions:
     seconds: float = 90.0  # each phase's arrivals
     factor: float = 10.0  # the flood's rate over one calm tenant's
-    load: float = 0.1  # one calm tenant's prefill load (of one instance) from a lone TTFT
+    overload: float = 1.2  # the flood's rate over the prefill pool's (from a lone TTFT)
     prompt_tokens: int = 200
     max_tokens: int = 8
 
@@ -164,7 +165,7 @@ async def _measure(
                 f"{k} {ttft[k][-1]:.2f} s" for k in KINDS))  # fmt: skip
         flood = None
         if opts.flood is not None:
-            flood = await _flood(nc, ns, settings, opts.flood, run, log)
+            flood = await _flood(nc, ns, settings, stack, opts.flood, run, log)
     finally:
         await nc.drain()
     assert settings.database_url is not None
@@ -191,8 +192,9 @@ FLOOD = "flood"
 
 
 async def _flood(
-    nc: Any, ns: ev.Namespace, settings: Settings, f: FloodOptions, run: str, log: Log
-) -> dict[str, Any]:
+    nc: Any, ns: ev.Namespace, settings: Settings, stack: Stack, f: FloodOptions, run: str,
+    log: Log,
+) -> dict[str, Any]:  # fmt: skip
     """The two phases (see the module doc); their figures and checks."""
     from mooncake.client import ask
     from mooncake.model_info import model_spec
@@ -212,7 +214,8 @@ async def _flood(
                      timeout_s=timeout)  # fmt: skip
     if not lone.finished or lone.ttft_s is None:
         raise RuntimeError(f"a lone flood-shaped request did not complete: {lone.error}")
-    calm_rate = f.load / lone.ttft_s
+    pool = sum(1 for w in stack.workers if w.role == "prefill")
+    calm_rate = f.overload * pool / lone.ttft_s / f.factor
     log(f"isolation: flood: a lone request's TTFT {lone.ttft_s:.2f} s; calm tenants at "
         f"{calm_rate:.3f}/s each, the flood at {f.factor * calm_rate:.3f}/s")  # fmt: skip
 
@@ -236,7 +239,10 @@ async def _flood(
     alone = await phase(dict.fromkeys(CALM, calm_rate))
     log("isolation: flood: the calm tenants alone done; now beside the flood")
     beside = await phase({**dict.fromkeys(CALM, calm_rate), FLOOD: f.factor * calm_rate})
-    return flood_figures(alone, beside, settings.slo.ttft_s, settings.slo.tbt_s, calm_rate)
+    out = flood_figures(alone, beside, settings.slo.ttft_s, settings.slo.tbt_s, calm_rate)
+    out.update(lone_ttft_s=round(lone.ttft_s, 3), prefill_instances=pool,
+               flood_rate_per_s=round(f.factor * calm_rate, 4))  # fmt: skip
+    return out
 
 
 def _good(o: Any, ttft_slo_s: float, tbt_slo_s: float) -> bool:
