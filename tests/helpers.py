@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from mooncake.bench.record import TERMINAL
 from mooncake.client import Outcome
 from mooncake.config import Settings
+from mooncake.core import cluster as cl
 
 # deploy/nats: the broker configs, and the users auth.conf defines (one per role).
 NATS_DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "nats"
@@ -24,6 +25,16 @@ NATS_DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "nats"
 # clone, CI) the head of the conversation trace the package ships stands in for either one.
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 TRACE_HEAD = Path(__file__).resolve().parents[1] / "mooncake" / "data" / "conversation_head.jsonl"
+
+
+def cluster_view(prefill: int = 3, decode: int = 2) -> cl.ClusterView:
+    """A core ClusterView with prefill instances p0.. and decode instances d0.. (unit tests)."""
+    v = cl.ClusterView()
+    for i in range(prefill):
+        v.apply(cl.InstanceJoined(f"p{i}", "prefill"), 0.0)
+    for i in range(decode):
+        v.apply(cl.InstanceJoined(f"d{i}", "decode"), 0.0)
+    return v
 
 
 def trace_file(name: str = "conversation") -> Path:

@@ -30,17 +30,20 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from mooncake import events as ev
-from mooncake.bench.memory import ENGINE_ROLES, wait_ready
+from mooncake.bench.memory import (
+    ENGINE_ROLES,
+    keep_logs_if_failed,
+    live_settings,
+    private_settings,
+    wait_ready,
+)
 from mooncake.bench.record import read_record, rows
 from mooncake.config import Settings
 from mooncake.stack import Stack
@@ -90,7 +93,6 @@ async def run_isolation_bench(
     """The run (see the module doc) on a stack of its own: `settings` as `mooncake up` takes
     them, their broker, database and data directory replaced by private ones."""
     from mooncake.model_info import model_spec
-    from mooncake.services import free_port
 
     if opts.prompts < 1 or opts.blocks < 1 or opts.max_tokens < 1:
         raise ValueError("--prompts, --blocks and --max-tokens must be at least 1")
@@ -102,35 +104,21 @@ async def run_isolation_bench(
             f"the model's context of {spec.context}"
         )
     prompts = bench_prompts(opts.prompts, length, spec.vocab_size, secrets.randbits(32))
-    tmp = Path(tempfile.mkdtemp(prefix="mooncake-bench-isolation-"))
-    private = settings.model_copy(
-        update={
-            "data_dir": tmp,
-            "nats_url": f"nats://127.0.0.1:{free_port()}",  # nothing there: embedded
-            "database_url": None,  # embedded
-        }
-    )
+    tmp, private = private_settings(settings, "isolation")
     stack = Stack(private)
     started = time.monotonic()
     try:
         log(f"isolation: starting the stack under {tmp}")
         await asyncio.to_thread(stack.start_infrastructure)
         stack.start_workers()
-        live = private.model_copy(
-            update={"nats_url": stack.nats_url, "database_url": stack.database_url}
-        )
-        result = await _measure(live, stack, prompts, opts, log)
+        result = await _measure(live_settings(private, stack), stack, prompts, opts, log)
     except RuntimeError as exc:
         raise RuntimeError(f"{exc} (logs in {tmp / 'logs'})") from exc
     finally:
         await asyncio.to_thread(stack.stop)
     result.update(prompt_tokens=length, block_tokens=settings.block_tokens)
     result["took_s"] = round(time.monotonic() - started, 1)
-    if result["checks_passed"]:
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        result["logs"] = str(tmp / "logs")
-    return result
+    return keep_logs_if_failed(result, tmp)
 
 
 async def _measure(

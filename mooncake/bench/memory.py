@@ -84,7 +84,6 @@ async def run_memory_bench(
     takes them (the KV budget in `kv_cache_bytes`), their broker, database and data
     directory replaced by private ones. ValueError for bad options or a bad trace."""
     from mooncake.model_info import model_spec
-    from mooncake.services import free_port
     from mooncake.serving.models import kv_budget_bytes
 
     if opts.speed <= 0 or opts.limit < 1 or opts.timeout_s <= 0:
@@ -100,14 +99,7 @@ async def run_memory_bench(
     started = time.monotonic()
     log(f"memory: engine probe ({'with' if opts.decode_ratio else 'without'} the decode ratio)")
     probe = await asyncio.to_thread(run_probe, settings, opts.decode_ratio)
-    tmp = Path(tempfile.mkdtemp(prefix="mooncake-bench-memory-"))
-    private = settings.model_copy(
-        update={
-            "data_dir": tmp,
-            "nats_url": f"nats://127.0.0.1:{free_port()}",  # nothing there: embedded
-            "database_url": None,  # embedded
-        }
-    )
+    tmp, private = private_settings(settings, "memory")
     try:
         result = await _run_stack(private, replay, ids, opts, log)
     except RuntimeError as exc:
@@ -115,7 +107,34 @@ async def run_memory_bench(
     result["fitted"] = fitted
     result["took_s"] = round(time.monotonic() - started, 1)
     budget = kv_budget_bytes(settings)
-    result = _report(settings, opts, probe, budget, result)
+    return keep_logs_if_failed(_report(settings, opts, probe, budget, result), tmp)
+
+
+def private_settings(settings: Settings, bench: str) -> tuple[Path, Settings]:
+    """A temporary directory and `settings` with a broker, database and data directory of
+    their own in it (embedded ones: `Stack` starts them), for a bench's own stack."""
+    from mooncake.services import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"mooncake-bench-{bench}-"))
+    private = settings.model_copy(
+        update={
+            "data_dir": tmp,
+            "nats_url": f"nats://127.0.0.1:{free_port()}",  # nothing there: embedded
+            "database_url": None,  # embedded
+        }
+    )
+    return tmp, private
+
+
+def live_settings(settings: Settings, stack: Stack) -> Settings:
+    """The private settings with the broker and database the started stack runs."""
+    return settings.model_copy(
+        update={"nats_url": stack.nats_url, "database_url": stack.database_url}
+    )
+
+
+def keep_logs_if_failed(result: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """Remove a passed run's directory; name a failed one's logs in its result."""
     if result["checks_passed"]:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -136,9 +155,7 @@ async def _run_stack(
         log(stack.kv_statement())
         stack.start_workers()
         watch = MemoryWatch(stack).start()
-        live = settings.model_copy(
-            update={"nats_url": stack.nats_url, "database_url": stack.database_url}
-        )
+        live = live_settings(settings, stack)
         figures = await _replay_and_drain(live, stack, replay, ids, opts, log)
     finally:
         if watch is not None:

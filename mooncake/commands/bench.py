@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -223,7 +224,6 @@ def bench_memory(
         MemoryOptions,
         run_memory_bench,
     )
-    from mooncake.engine.errors import EngineError
 
     if cost_profile is not None and not cost_profile.is_file():
         err.print(f"[red]bench memory:[/red] no cost profile at {cost_profile}")
@@ -242,15 +242,23 @@ def bench_memory(
         timeout_s=timeout,
         decode_ratio=None if skip_decode_ratio else DEFAULT_RATIO,
     )
+    _run_stack_bench("memory", run_memory_bench(settings, opts, log=err.print), as_json)
+
+
+def _run_stack_bench(name: str, run: Coroutine[Any, Any, dict[str, Any]], as_json: bool) -> None:
+    """Run a bench over `up`'s stack and print its result: bad input (options, the model, a
+    file) exits 2, a run that failed (the stack, a timeout) exits 1, each with its reason."""
+    from mooncake.engine.errors import EngineError
+
     try:
-        result = asyncio.run(run_memory_bench(settings, opts, log=err.print))
+        result = asyncio.run(run)
     except (ValueError, EngineError, OSError) as exc:
-        err.print(f"[red]bench memory:[/red] {exc}", soft_wrap=True)
+        err.print(f"[red]bench {name}:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
     except RuntimeError as exc:
-        err.print(f"[red]bench memory failed:[/red] {exc}", soft_wrap=True)
+        err.print(f"[red]bench {name} failed:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
-    print_result("bench memory", result, as_json)
+    print_result(f"bench {name}", result, as_json)
 
 
 @bench_app.command("isolation")
@@ -275,20 +283,11 @@ def bench_isolation(
     alone and beside a third at 10x their rate (others_goodput_ratio, the flood's
     rejections by reason)."""
     from mooncake.bench.isolation import FloodOptions, IsolationOptions, run_isolation_bench
-    from mooncake.engine.errors import EngineError
 
     settings = settings_or_exit(kv_cache_bytes=kv_cache_bytes)
     flooding = FloodOptions(seconds=flood_seconds) if flood else None
     opts = IsolationOptions(prompts=prompts, blocks=blocks, flood=flooding)
-    try:
-        result = asyncio.run(run_isolation_bench(settings, opts, log=err.print))
-    except (ValueError, EngineError, OSError) as exc:
-        err.print(f"[red]bench isolation:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(2) from exc
-    except RuntimeError as exc:
-        err.print(f"[red]bench isolation failed:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(1) from exc
-    print_result("bench isolation", result, as_json)
+    _run_stack_bench("isolation", run_isolation_bench(settings, opts, log=err.print), as_json)
 
 
 @bench_app.command("cpp")

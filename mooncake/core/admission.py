@@ -54,7 +54,7 @@ def decide(
         return cd.no_instance(req, policy, cfg, now)
     if policy == "none":
         return cd.decision_from(choice, policy, None, cfg)
-    return tenant_share(_by_policy(policy, choice, view, req, cfg, costs, now), view, cfg)
+    return tenant_share(_by_policy(policy, choice, view, cfg, costs, now), view, cfg)
 
 
 def tenant_share(decision: cd.Decision, view: ClusterView, cfg: cd.ConductorConfig) -> cd.Decision:
@@ -80,15 +80,12 @@ def tenant_share(decision: cd.Decision, view: ClusterView, cfg: cd.ConductorConf
 
 
 def _by_policy(
-    policy: Policy,
-    choice: cd.Choice,
-    view: ClusterView,
-    req: cd.ScheduleRequest,
-    cfg: cd.ConductorConfig,
-    costs: Costs,
+    policy: Policy, choice: cd.Choice, view: ClusterView, cfg: cd.ConductorConfig, costs: Costs,
     now: float,
-) -> cd.Decision:
-    # Every rejecting policy judges TTFT with the margin the latest misses call for.
+) -> cd.Decision:  # fmt: skip
+    """A rejecting policy's decision on `choice`. Each judges TTFT with the margin the latest
+    misses call for."""
+    req = choice.request
     m = cd.ttft_margin(view, cfg)
     match policy:
         case "baseline":

@@ -158,31 +158,14 @@ async def test_shared_system_prompt_reuses_blocks_and_matches_one_process(
         ids.append(rid)
         outs.append(out)
 
-    from sqlalchemy import text
-
-    async def recorded() -> bool:
-        counts = await terminal_counts(db, ids)
-        return len(counts) == 10
-
-    await wait_for(recorded, 30, "the ten requests to be recorded as completed")
-    async with db.connect() as conn:
-        rows = (
-            await conn.execute(
-                text(
-                    "SELECT request_id, status, cached_tokens FROM requests "
-                    "WHERE request_id = ANY(:ids)"
-                ),
-                {"ids": ids},
-            )
-        ).all()
-    by_id = {r[0]: r for r in rows}
-    assert all(by_id[rid][1] == "completed" for rid in ids)
-    assert sum(by_id[rid][2] for rid in ids[1:]) > 0, "later requests reused no cached block"
+    by_id = await recorded_requests(db, ids)
+    assert all(by_id[rid][0] == "completed" for rid in ids)
+    assert sum(by_id[rid][1] for rid in ids[1:]) > 0, "later requests reused no cached block"
     assert (await terminal_counts(db, ids)) == dict.fromkeys(ids, 1)
 
 
-async def cached_tokens(db: AsyncEngine, ids: list[str]) -> dict[str, tuple[int, str]]:
-    """Each request's recorded (cached tokens, tenant)."""
+async def recorded_requests(db: AsyncEngine, ids: list[str]) -> dict[str, tuple[str, int, str]]:
+    """Each request's (status, cached tokens, tenant) in the record, once all have ended."""
     from sqlalchemy import text
 
     async def recorded() -> bool:
@@ -193,13 +176,13 @@ async def cached_tokens(db: AsyncEngine, ids: list[str]) -> dict[str, tuple[int,
         rows = (
             await conn.execute(
                 text(
-                    "SELECT request_id, cached_tokens, tenant FROM requests "
+                    "SELECT request_id, status, cached_tokens, tenant FROM requests "
                     "WHERE request_id = ANY(:ids)"
                 ),
                 {"ids": ids},
             )
         ).all()
-    return {r[0]: (r[1], r[2]) for r in rows}
+    return {r[0]: (r[1], r[2], r[3]) for r in rows}
 
 
 async def test_tenants_share_no_cached_blocks_unless_they_name_one_namespace(
@@ -222,10 +205,10 @@ async def test_tenants_share_no_cached_blocks_unless_they_name_one_namespace(
         )  # fmt: skip
         assert out.finished, (rid, out.finish_reason, out.error)
         assert out.token_ids == pipeline.expected(tokens, 4), rid  # cached or not, the same
-    cached = await cached_tokens(db, list(ids.values()))
-    got = {name: cached[rid][0] for name, rid in ids.items()}
+    rows = await recorded_requests(db, list(ids.values()))
+    got = {name: rows[rid][1] for name, rid in ids.items()}
     # The record says whose each request was.
-    assert {name: cached[rid][1] for name, rid in ids.items()} == {
+    assert {name: rows[rid][2] for name, rid in ids.items()} == {
         name: tenant for name, tenant, _ in runs
     }
     assert got["a1"] == 0 and got["b1"] == 0, got  # B: none of A's blocks

@@ -21,6 +21,8 @@ from mooncake.core.conductor import (
 from mooncake.core.cost_model import Costs, TransferModel
 from mooncake.events import RejectReason, RequestAdmitted
 
+from helpers import cluster_view
+
 
 @dataclass(frozen=True)
 class Linear:
@@ -40,13 +42,7 @@ CFG = ConductorConfig(block_tokens=10, balancing_threshold=2.0, ttft_slo_s=5.0, 
 KEYS = tuple(f"k{i}" for i in range(10))
 
 
-def view(n_prefill: int = 3, n_decode: int = 2) -> cl.ClusterView:
-    v = cl.ClusterView()
-    for i in range(n_prefill):
-        v.apply(cl.InstanceJoined(f"p{i}", "prefill"), 0.0)
-    for i in range(n_decode):
-        v.apply(cl.InstanceJoined(f"d{i}", "decode"), 0.0)
-    return v
+view = cluster_view
 
 
 def queue(v: cl.ClusterView, instance: str, seconds: float, rid: str, decode: str = "d0") -> None:

@@ -26,18 +26,15 @@ from mooncake.sim import SimConfig, run_simulation
 from mooncake.sim.mooncake_system import MooncakeSystem
 from mooncake.trace import TraceRequest
 
+from helpers import cluster_view
+
 COSTS = reference_costs()  # LLaMA3-70B on 8xA800: a 64k prompt prefills in ~40 s on one
 CPP = CppConfig(max_stages=4)
 CFG = ConductorConfig(ttft_slo_s=600.0, cpp=CPP)
 
 
 def view(prefill: int = 4, decode: int = 1) -> cl.ClusterView:
-    v = cl.ClusterView()
-    for i in range(prefill):
-        v.apply(cl.InstanceJoined(f"p{i}", "prefill"), 0.0)
-    for i in range(decode):
-        v.apply(cl.InstanceJoined(f"d{i}", "decode"), 0.0)
-    return v
+    return cluster_view(prefill, decode)
 
 
 def group_s(stages: int, prompt: int, cached: int = 0) -> float:

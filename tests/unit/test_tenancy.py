@@ -15,6 +15,8 @@ from mooncake.core.cost_model import Costs, TransferModel
 from mooncake.core.tenancy import TenantShares, share_verdict
 from mooncake.events import RejectReason
 
+from helpers import cluster_view
+
 
 @dataclass(frozen=True)
 class Linear:
@@ -53,10 +55,7 @@ def test_never_every_tenant_with_work_is_over(work: dict[str, float]) -> None:
 
 
 def view() -> cl.ClusterView:
-    v = cl.ClusterView()
-    v.apply(cl.InstanceJoined("p0", "prefill"), 0.0)
-    v.apply(cl.InstanceJoined("d0", "decode"), 0.0)
-    return v
+    return cluster_view(1, 1)
 
 
 def flood(v: cl.ClusterView, tenant: str, n: int, seconds: float) -> None:
