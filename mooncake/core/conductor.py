@@ -349,10 +349,9 @@ def group_for(
     if cfg.cpp.max_stages < 2 or prompt_tokens - cached_tokens <= cfg.cpp.chunk_tokens:
         return None
     others = [(q.queue_s(now), q.id) for q in view.prefill_order if q.id != leader.id]
-    hop = costs.activation.transfer_s(cfg.cpp.chunk_tokens) if costs.activation else 0.0
     return choose_group(
         costs.prefill.prefill_s, cfg.cpp, start=cached_tokens, end=prompt_tokens,
-        leader_queue_s=leader_queue_s, others=others, hop_s=hop,
+        leader_queue_s=leader_queue_s, others=others, hop_s=costs.hop_s(cfg.cpp.chunk_tokens),
     )  # fmt: skip
 
 

@@ -293,6 +293,10 @@ class Costs:
     # hidden state of each token; None: not known, counted as free.
     activation: TransferModel | None = None
 
+    def hop_s(self, tokens: int) -> float:
+        """Seconds `tokens` tokens' activations take from one pipeline stage to the next."""
+        return self.activation.transfer_s(tokens) if self.activation is not None else 0.0
+
 
 def reference_costs(hw: Hardware = A800_X8, model: ModelShape = LLAMA3_70B) -> Costs:
     analytic = AnalyticCostModel(model, hw)

@@ -157,6 +157,15 @@ class CppConfig:
     min_efficiency: float = 0.95
 
 
+def group_prefill_s(
+    prefill_s: PrefillCost, cfg: CppConfig, stages: int, start: int, end: int, hop_s: float
+) -> float:
+    """The pipelined prefill of positions [start, end) on `stages` stages as `choose_group`
+    plans it (chunks of equal cost, even layer ranges): what a chosen group then takes."""
+    plan = CppPlan.of(cfg.layers, stages, start, end, cfg.chunk_tokens, prefill_s)
+    return cpp_ttft_s(prefill_s, plan, cfg.layers, hop_s)
+
+
 @dataclass(frozen=True, slots=True)
 class CppGroup:
     """A prefill on `1 + len(members)` stages: the leader (stage 0) and `members` (stages

@@ -31,7 +31,7 @@ from mooncake.core import admission
 from mooncake.core import cluster as cl
 from mooncake.core import conductor as cd
 from mooncake.core.cost_model import Costs
-from mooncake.core.cpp import CppConfig, CppPlan, cpp_ttft_s
+from mooncake.core.cpp import CppConfig, group_prefill_s
 from mooncake.sim.cache import LRUBlocks
 from mooncake.sim.decode import DecodeHooks, DecodeWorker, KvPool
 from mooncake.sim.loop import EventLoop
@@ -190,11 +190,8 @@ class MooncakeSystem:
         if stages == 1:
             return self.costs.prefill.prefill_s(prompt, cached)
         cpp = self.ccfg.cpp
-        cost = self.costs.prefill.prefill_s
-        plan = CppPlan.of(cpp.layers, stages, cached, prompt, cpp.chunk_tokens, cost)
-        act = self.costs.activation
-        hop = act.transfer_s(cpp.chunk_tokens) if act is not None else 0.0
-        return cpp_ttft_s(cost, plan, cpp.layers, hop)
+        hop = self.costs.hop_s(cpp.chunk_tokens)
+        return group_prefill_s(self.costs.prefill.prefill_s, cpp, stages, cached, prompt, hop)
 
     def prefilled(self, pid: str, req: SimRequest, decision: cd.Decision) -> None:
         now = self.loop.now
