@@ -1,0 +1,172 @@
+"""The store master's public values: its config, results, changes and introspection views.
+
+Pure data, no behaviour beyond validation; the semantics they carry are documented once, in
+`master_state`'s module docstring. Import them from `mooncake.store.master_state`, which
+re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mooncake.store.types import Pin, Reason, Replica, SegmentInfo
+
+__all__ = [
+    "OK",
+    "Change",
+    "DropReason",
+    "Lookup",
+    "MasterConfig",
+    "Move",
+    "ObjectRemoved",
+    "ObjectStored",
+    "ObjectView",
+    "Ok",
+    "PutPlan",
+    "Refusal",
+    "RemoveReason",
+    "ReplicaDropped",
+    "Restored",
+    "SegmentStatus",
+]
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    lease_s: float = 10.0  # read lease granted by a lookup; blocks remove and eviction
+    high_watermark: float = 0.90  # evict when DRAM usage (over all DRAM segments) exceeds this
+    evict_fraction: float = 0.05  # ... freeing this share of capacity (approx LRU)
+    put_timeout_s: float = 30.0  # a pending put (or move) older than this is a zombie
+    node_timeout_s: float = 10.0  # no heartbeat for this long: node dead, its replicas dropped
+    alignment: int = 64
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.high_watermark <= 1.0 or not 0.0 <= self.evict_fraction < 1.0:
+            raise ValueError("high_watermark must be in (0, 1], evict_fraction in [0, 1)")
+        if self.lease_s < 0 or self.put_timeout_s <= 0 or self.node_timeout_s <= 0:
+            raise ValueError("lease_s >= 0, put_timeout_s > 0 and node_timeout_s > 0")
+        if self.alignment <= 0:
+            raise ValueError("alignment must be positive")
+
+
+# --- results --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ok:
+    pass
+
+
+OK = Ok()
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: Reason
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PutPlan:
+    """Where to write: one PENDING replica per requested copy, on distinct segments."""
+
+    key: str
+    size: int
+    replicas: tuple[Replica, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Complete replicas, DRAM first; readable until `lease_until` (the master's clock)."""
+
+    key: str
+    size: int
+    replicas: tuple[Replica, ...]
+    lease_until: float
+    pin: Pin
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    adopted: int  # reported replicas adopted as COMPLETE
+    rejected: int  # reports skipped: unknown/foreign segment, out of range, overlapping ...
+
+
+# --- changes for the outside world ----------------------------------------------------------
+
+RemoveReason = Literal["removed", "evicted", "node_lost", "revoked", "reclaimed"]
+DropReason = Literal["evicted", "node_lost", "moved"]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectStored:
+    """The object is visible with exactly these complete replicas (emitted on put_end, on
+    restore, and again whenever the set of complete replicas changes)."""
+
+    key: str
+    size: int
+    replicas: tuple[Replica, ...]
+    pin: Pin
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRemoved:
+    """The object is gone; `nodes` held a complete replica of it (empty for a put that never
+    completed: revoked, reclaimed, or aborted because its segment went away)."""
+
+    key: str
+    reason: RemoveReason
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDropped:
+    """A complete replica stopped being served; the object survives elsewhere.
+    `node_keeps`: the node still holds another complete replica of the key (the SSD copy after
+    an offload, the DRAM copy after a promotion), so its KV index entry stays."""
+
+    key: str
+    replica: Replica
+    reason: DropReason
+    node_keeps: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Command: copy `src` to `dst` (two segments of the same node), then report
+    `move_done(key, dst.segment_id)` or `move_failed(...)`."""
+
+    key: str
+    src: Replica
+    dst: Replica
+
+
+Change = ObjectStored | ObjectRemoved | ReplicaDropped | Move
+
+
+# --- introspection ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectView:
+    key: str
+    size: int
+    pin: Pin
+    complete: bool
+    replicas: tuple[Replica, ...]
+    lease_until: float
+    last_access: float
+    move: Move | None
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStatus:
+    info: SegmentInfo
+    used: int
+    largest_free: int
+    pending_free: int  # allocated bytes that free themselves (moves, retiring replicas)
+
+    @property
+    def free(self) -> int:
+        return self.info.size - self.used
