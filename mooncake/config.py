@@ -157,6 +157,10 @@ class ConductorSettings(BaseModel):
     # transport bandwidth and latency. KV bytes per token come from the engine settings.
     transfer_bytes_per_s: Annotated[float, Field(gt=0)] = 1e9
     transfer_latency_s: Annotated[float, Field(ge=0)] = 1e-3
+    # Reading KV a store node keeps only on its SSD tier, for a profiled deployment: measure
+    # it on the store's SSD directory with `mooncake profile ssd` (the default is one common
+    # NVMe drive's sequential read, not a measurement of yours).
+    ssd_read_bytes_per_s: Annotated[float, Field(gt=0)] = 2e9
     # Algorithm 1's knob: take the pool's prefix when it is this many times the local one.
     balancing_threshold: Annotated[float, Field(ge=1.0)] = 2.0
     # `predicted` admission: the uniform decode time every request is assumed to take.

@@ -1,4 +1,4 @@
-"""`mooncake profile engine`: timings the Conductor's cost model is fitted to."""
+"""`mooncake profile engine` / `profile ssd`: timings the Conductor's cost model is fitted to."""
 
 from __future__ import annotations
 
@@ -77,3 +77,42 @@ def profile_engine_cmd(
         raise typer.Exit(2) from exc
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")
     err.print(f"wrote {out}: {len(doc['prefill'])} prefill and {len(doc['decode'])} decode points")
+
+
+@profile_app.command("ssd")
+def profile_ssd_cmd(
+    directory: Annotated[
+        str, typer.Option("--dir", help="The store node's SSD directory (store.ssd_dir)")
+    ] = ".mooncake/ssd",
+    size_mib: Annotated[int, typer.Option(min=1, help="Bytes to write and read back, MiB")] = 256,
+    chunk_kib: Annotated[int, typer.Option(min=4, help="One read, KiB (a KV block)")] = 1024,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout")] = False,
+) -> None:
+    """Measure how fast the SSD tier reads KV blocks back (page cache dropped), and print the
+    setting that makes the Conductor charge SSD reads at that speed."""
+    from pathlib import Path
+
+    from mooncake.store.ssd_probe import probe_ssd
+
+    try:
+        probe = probe_ssd(Path(directory), size_mib << 20, chunk_kib << 10)
+    except OSError as exc:
+        err.print(f"[red]cannot probe {directory}:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    rate = probe.read_bytes_per_s
+    setting = f"MOONCAKE_CONDUCTOR__SSD_READ_BYTES_PER_S={rate:.3g}"
+    if as_json:
+        doc = {
+            "directory": probe.directory, "filesystem": probe.filesystem,
+            "size_bytes": probe.size_bytes, "chunk_bytes": probe.chunk_bytes,
+            "read_s": probe.read_s, "ssd_read_bytes_per_s": rate, "setting": setting,
+        }  # fmt: skip
+        print(json.dumps(doc))
+        return
+    err.print(
+        f"{probe.directory} ({probe.filesystem}): read {probe.size_bytes / 2**20:.0f} MiB in "
+        f"{probe.read_s * 1000:.0f} ms = {rate / 1e9:.2f} GB/s"
+    )
+    if probe.filesystem in ("tmpfs", "ramfs", "overlay"):
+        err.print("[yellow]not a block device: this is memory's speed, not an SSD's[/yellow]")
+    print(setting)

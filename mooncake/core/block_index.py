@@ -6,7 +6,9 @@ is a walk along the prompt's key chain that stops at the first key X does not ho
 
 Built for millions of keys: each key maps to an *interned* frozenset of holder nodes, so
 the hundreds of thousands of keys with the same holders share one set object and the index
-costs one dict slot per key. Mutable by design (copying a million-entry map per update would
+costs one dict slot per key. Which holders keep a key only on SSD (offloaded, PAPER.md §2) is
+a second, usually much smaller map of the same kind: a read from there costs the SSD's time,
+not DRAM's. Mutable by design (copying a million-entry map per update would
 be O(N)); owned by one `ClusterView` and changed only through its `apply`.
 """
 
@@ -41,6 +43,8 @@ NO_MATCH = PrefixMatch(0, {}, _EMPTY)
 class BlockIndex:
     def __init__(self) -> None:
         self._holders: dict[str, frozenset[str]] = {}
+        # key -> the holders that keep it only on SSD (a subset of its holders)
+        self._ssd: dict[str, frozenset[str]] = {}
         self._interned: dict[frozenset[str], frozenset[str]] = {}
 
     def __len__(self) -> int:
@@ -72,6 +76,60 @@ class BlockIndex:
                 del index[key]
             else:
                 index[key] = self._intern(old - {node})
+            if self._ssd:
+                self._unmark(self._ssd, node, key)
+
+    def to_ssd(self, node: str, keys: Iterable[str]) -> None:
+        """`node` now keeps these keys (those it holds) only on SSD."""
+        one = self._intern(frozenset((node,)))
+        ssd = self._ssd
+        for key in keys:
+            if node not in self._holders.get(key, _EMPTY):
+                continue
+            old = ssd.get(key)
+            if old is None:
+                ssd[key] = one
+            elif node not in old:
+                ssd[key] = self._intern(old | one)
+
+    def to_dram(self, node: str, keys: Iterable[str]) -> None:
+        """`node` holds these keys in DRAM again (a promotion)."""
+        if self._ssd:
+            for key in keys:
+                self._unmark(self._ssd, node, key)
+
+    def _unmark(self, table: dict[str, frozenset[str]], node: str, key: str) -> None:
+        old = table.get(key)
+        if old is None or node not in old:
+            return
+        if len(old) == 1:
+            del table[key]
+        else:
+            table[key] = self._intern(old - {node})
+
+    def ssd_holders(self, key: str) -> frozenset[str]:
+        """The holders of `key` that keep it only on SSD."""
+        return self._ssd.get(key, _EMPTY)
+
+    @property
+    def has_ssd(self) -> bool:
+        """Whether any holder keeps any key only on SSD."""
+        return bool(self._ssd)
+
+    def pool_ssd_blocks(
+        self, keys: Sequence[str], lo: int, hi: int, exclude: frozenset[str] = frozenset()
+    ) -> int:
+        """How many of `keys[lo:hi]` no node (outside `exclude`) holds in DRAM: a fetch of
+        them from the pool reads an SSD."""
+        ssd = self._ssd
+        if not ssd or hi <= lo:
+            return 0
+        n = 0
+        for key in keys[lo:hi]:
+            on_ssd = ssd.get(key)
+            if on_ssd is not None and not (self._holders.get(key, _EMPTY) - exclude - on_ssd):
+                n += 1
+        return n
 
     def drop_node(self, node: str) -> int:
         """Forget every block of a lost node: O(index) — rare (a node failure), so the index

@@ -284,6 +284,22 @@ class ClusterView:
             n += 1
         return max(n, in_dram)
 
+    def local_ssd_blocks(self, keys: Sequence[str], p: PrefillInstance, local: int) -> int:
+        """Of the `local` leading blocks `p` holds itself, those its node keeps only on SSD
+        (and its engine's pool not at all): reading them costs the SSD's time."""
+        blocks = self.blocks
+        if not blocks.has_ssd or local <= 0:
+            return 0
+        engine = self.engine_blocks
+        use_engine = len(engine) > 0 and p.id not in self.unsure_instances
+        n = 0
+        for key in keys[:local]:
+            if p.node in blocks.ssd_holders(key) and not (
+                use_engine and p.id in engine.holders(key)
+            ):
+                n += 1
+        return n
+
     def tenant_prefill_work(self) -> dict[str, float]:
         """Predicted prefill seconds in flight (queued or running) per tenant, a group's
         counted once per member (core/tenancy.py)."""

@@ -112,7 +112,8 @@ class CopyBlocks:
     sources: tuple[str, ...]
 
 
-# (instance, local_blocks, prefix_blocks, transfer_s, queue_s, ttft_s)
+# (instance, local_blocks, prefix_blocks, transfer_s, queue_s, ttft_s); transfer_s is the
+# prefix's loading: the fetch from the pool and the reads of blocks held only on SSD.
 PrefillCandidate = tuple[str, int, int, float, float, float]
 # (instance, batch, context_tokens, reserved_batch, reserved_tokens, committed_tbt_s)
 DecodeCandidate = tuple[str, int, int, int, int, float]
@@ -141,6 +142,8 @@ class Choice:
     # CPP: the group's other prefill instances, stages 1.. (`prefill` is stage 0); queue_s
     # is then when the last of them is free and prefill_s the pipeline's.
     stage_instances: tuple[str, ...] = ()
+    # Of the prefix's blocks, those read from an SSD (held nowhere reachable in DRAM).
+    ssd_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +177,9 @@ class Decision:
     # CPP: the prefill group's stages after `prefill_instance` (stage 0); () = one instance.
     stage_instances: tuple[str, ...] = ()
     tenant: str = DEFAULT_TENANT
+    # Of the prefix's blocks, those the index said are held only on SSD (charged the SSD
+    # read in transfer_s).
+    ssd_prefix_blocks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable; what `RequestAdmitted.inputs` / `RequestRejected.inputs` hold.
@@ -220,34 +226,48 @@ def _prefill_candidates(
     best = match.best_blocks
     node_blocks = match.node_blocks
     prompt = req.prompt_tokens
-    # Memo per local prefix length: few distinct values among many instances.
-    option_of: dict[int, tuple[int, float, float]] = {}
+    # Memo per (local prefix, of it on SSD): few distinct values among many instances.
+    option_of: dict[tuple[int, int], tuple[int, float, float]] = {}
     out: list[PrefillCandidate] = []
     for p in view.prefill_order:
         local = view.local_blocks(req.keys, p, node_blocks.get(p.node, 0))
-        option = option_of.get(local)
+        local_ssd = view.local_ssd_blocks(req.keys, p, local)
+        option = option_of.get((local, local_ssd))
         if option is None:
-            option = option_of[local] = _prefix_option(local, best, prompt, cfg, costs)
-        prefix, transfer, t_prefill = option
+            pool_ssd = view.blocks.pool_ssd_blocks(req.keys, local, best, view.unsure_nodes)
+            option = option_of[(local, local_ssd)] = _prefix_option(
+                local, best, prompt, cfg, costs, local_ssd, pool_ssd
+            )
+        prefix, load, t_prefill = option
         queue = p.queue_s(now)
-        out.append((p.id, local, prefix, transfer, queue, transfer + queue + t_prefill))
+        out.append((p.id, local, prefix, load, queue, load + queue + t_prefill))
     return match, tuple(out)
 
 
 def _prefix_option(
-    local: int, best: int, prompt: int, cfg: ConductorConfig, costs: Costs
+    local: int,
+    best: int,
+    prompt: int,
+    cfg: ConductorConfig,
+    costs: Costs,
+    local_ssd: int = 0,
+    pool_ssd: int = 0,
 ) -> tuple[int, float, float]:
-    """(prefix blocks, transfer s, prefill s) for an instance holding `local` blocks when the
-    pool holds `best`: the threshold rule of the module docstring."""
+    """(prefix blocks, load s, prefill s) for an instance holding `local` blocks when the
+    pool holds `best`: the threshold rule of the module docstring. Loading counts the
+    transfer from the pool and the SSD reads of blocks held only on SSD (`local_ssd` of the
+    local ones, `pool_ssd` of the pool's others)."""
     bt = cfg.block_tokens
+    local_load = costs.ssd_s(prefix_tokens(local_ssd, prompt, bt))
     recompute = costs.prefill.prefill_s(prompt, prefix_tokens(local, prompt, bt))
     if not cfg.pool_fetch or best <= local:
-        return local, 0.0, recompute
+        return local, local_load, recompute
     transfer = costs.transfer.transfer_s(prefix_tokens(best - local, prompt, bt))
+    load = transfer + costs.ssd_s(prefix_tokens(local_ssd + pool_ssd, prompt, bt))
     fetched = costs.prefill.prefill_s(prompt, prefix_tokens(best, prompt, bt))
-    if best > cfg.balancing_threshold * local or transfer + fetched < recompute:
-        return best, transfer, fetched
-    return local, 0.0, recompute
+    if best > cfg.balancing_threshold * local or load + fetched < local_load + recompute:
+        return best, load, fetched
+    return local, local_load, recompute
 
 
 def batch_tbt_s(view: ClusterView, costs: Costs, batch: int, context_tokens: int) -> float:
@@ -322,6 +342,9 @@ def choose(
     if prefix > local:  # p takes the pool's longest prefix: it keeps a copy of the blocks
         copy = CopyBlocks(p.node, req.keys[local:prefix], tuple(sorted(match.full_holders)))
     tokens = prefix_tokens(prefix, req.prompt_tokens, cfg.block_tokens)
+    ssd = view.local_ssd_blocks(req.keys, p, local)
+    if prefix > local:
+        ssd += view.blocks.pool_ssd_blocks(req.keys, local, prefix, view.unsure_nodes)
     tbt = batch_tbt_s(view, costs, d.batch + 1, d.context_tokens + req.prompt_tokens)
     t_prefill, members = ttft - transfer - queue, tuple[str, ...]()
     if (g := group_for(view, p, tokens, req.prompt_tokens, queue, cfg, costs, now)) is not None:
@@ -329,7 +352,7 @@ def choose(
         ttft = transfer + queue + t_prefill
     return Choice(
         req, now, p, d, local, match.best_blocks, prefix, tokens, transfer, queue,
-        t_prefill, ttft, tbt, copy, candidates, decodes, members,
+        t_prefill, ttft, tbt, copy, candidates, decodes, members, ssd,
     )  # fmt: skip
 
 
@@ -388,6 +411,7 @@ def decision_from(
         local_prefix_blocks=c.local_blocks,
         remote_prefix_blocks=c.best_blocks,
         prefix_tokens=c.prefix_tokens,
+        ssd_prefix_blocks=c.ssd_blocks,
         takes_remote=c.copy is not None,
         transfer_s=c.transfer_s,
         queue_s=c.queue_s,

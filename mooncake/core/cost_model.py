@@ -64,6 +64,9 @@ class Hardware:
     hbm_bytes_per_s_per_gpu: float
     h2d_bytes_per_s: float  # host DRAM -> GPUs, whole node
     nic_bytes_per_s: float  # node <-> node (RDMA), whole node
+    # Local NVMe read, whole node. Not in the papers: assumed 4 PCIe Gen4 drives at their
+    # ~7 GB/s sequential read (KV blocks are large sequential reads), derated to 6 GB/s each.
+    ssd_bytes_per_s: float = 4 * 6e9
 
     @property
     def peak_flops(self) -> float:
@@ -77,6 +80,10 @@ A800_X8 = Hardware("8xA800", 8, 312e12, 2.039e12, 128e9, 800e9 / 8)
 # HBM3. Assumed: PCIe Gen5 doubles host-to-device to 256 GB/s; 8 x 400 Gbps RDMA NICs
 # (the transfer-engine setup of PAPER.md §7).
 H800_X8 = Hardware("8xH800", 8, 989e12, 3.35e12, 256e9, 8 * 400e9 / 8)
+
+
+# One SSD read's latency: an NVMe 4 KiB random read takes ~0.1 ms.
+SSD_LATENCY_S = 1e-4
 
 
 # --- transfer ----------------------------------------------------------------------------------
@@ -292,10 +299,17 @@ class Costs:
     # One chunk's activations from a pipeline stage to the next (CPP, core/cpp.py): the
     # hidden state of each token; None: not known, counted as free.
     activation: TransferModel | None = None
+    # Reading KV a store node keeps only on SSD (offloaded, store/master_state.py), at the
+    # SSD's read speed (`mooncake profile ssd`); None: SSD reads counted as free.
+    ssd: TransferModel | None = None
 
     def hop_s(self, tokens: int) -> float:
         """Seconds `tokens` tokens' activations take from one pipeline stage to the next."""
         return self.activation.transfer_s(tokens) if self.activation is not None else 0.0
+
+    def ssd_s(self, tokens: int) -> float:
+        """Seconds reading `tokens` tokens' KV from an SSD takes."""
+        return self.ssd.transfer_s(tokens) if self.ssd is not None else 0.0
 
 
 def reference_costs(hw: Hardware = A800_X8, model: ModelShape = LLAMA3_70B) -> Costs:
@@ -304,4 +318,5 @@ def reference_costs(hw: Hardware = A800_X8, model: ModelShape = LLAMA3_70B) -> C
     # A token's hidden state (hidden x dtype bytes: 16 KiB for LLaMA3-70B, 1/20 of its KV)
     # over the same NIC at the same efficiency and latency as KV.
     act = TransferModel(kv.bandwidth_bytes_per_s, kv.latency_s, model.hidden * model.dtype_bytes)
-    return Costs(analytic, analytic, kv, act)
+    ssd = TransferModel(hw.ssd_bytes_per_s, SSD_LATENCY_S, model.kv_bytes_per_token)
+    return Costs(analytic, analytic, kv, act, ssd)

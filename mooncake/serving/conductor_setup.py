@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from mooncake.config import EngineSettings, Settings
@@ -16,6 +17,7 @@ from mooncake.core.conductor import ConductorConfig
 from mooncake.core.cost_model import (
     A800_X8,
     H800_X8,
+    SSD_LATENCY_S,
     Costs,
     FittedCostModel,
     Sample,
@@ -64,10 +66,11 @@ def costs_from_profile(doc: dict[str, Any], settings: Settings, hidden: int | No
     pre, dec = profile_samples(doc)  # the document is read and checked once
     fitted = FittedCostModel(prefill=fit_prefill(pre), decode=fit_decode(dec))
     c = settings.conductor
-    transfer = TransferModel(
-        c.transfer_bytes_per_s, c.transfer_latency_s, kv_bytes_per_token(settings.engine)
-    )
-    return _maybe_online(Costs(fitted, fitted, transfer), settings, hidden, pre, dec)
+    kv_bytes = kv_bytes_per_token(settings.engine)
+    transfer = TransferModel(c.transfer_bytes_per_s, c.transfer_latency_s, kv_bytes)
+    ssd = TransferModel(c.ssd_read_bytes_per_s, SSD_LATENCY_S, kv_bytes)
+    costs = Costs(fitted, fitted, transfer, ssd=ssd)
+    return _maybe_online(costs, settings, hidden, pre, dec)
 
 
 def build_costs(settings: Settings, hidden: int | None = None) -> Costs:
@@ -100,7 +103,7 @@ def _maybe_online(
     online = OnlineCostModel(
         seed.prefill, seed.decode, prefill_prior=pre, decode_prior=dec, hidden=hidden
     )
-    return Costs(online, online, seed.transfer)
+    return replace(seed, prefill=online, decode=online)
 
 
 def online_model(costs: Costs) -> OnlineCostModel | None:

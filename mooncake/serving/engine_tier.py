@@ -25,7 +25,7 @@ from nats.aio.subscription import Subscription
 from mooncake.engine.pages import PageAllocator
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
-from mooncake.store.kv_follow import answer_snapshot, batch_bytes
+from mooncake.store.kv_follow import answer_snapshot, batch_bytes, tip_bytes
 from mooncake.store.kv_index import KvEventLog
 
 log = logging.getLogger("mooncake.engine_tier")
@@ -65,10 +65,13 @@ class EngineTier:
         now = set(self.pages.cached_keys())
         known = self.log.keys
         stored, removed = sorted(now - known), sorted(known - now)
-        if not stored and not removed:
+        subject = self.subjects.engine_kv_events(self.instance)
+        if not stored and not removed:  # where it stands, so a lost last batch is seen
+            if (tip := tip_bytes(self.log)) is not None:
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(subject, tip)
             return False
         batch = self.log.record(stored, removed)
-        subject = self.subjects.engine_kv_events(self.instance)
         with contextlib.suppress(Exception):  # a lost batch is a gap: the snapshot heals it
             await self.nc.publish(subject, batch_bytes(batch))
         return True

@@ -20,15 +20,21 @@ from nats.aio.subscription import Subscription
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
 from mooncake.store.kv_index import (
+    Applied,
     IndexState,
     KvEventBatch,
     KvEventLog,
     KvIndexFollower,
     KvSnapshot,
+    KvTip,
     NeedSnapshot,
 )
 
 log = logging.getLogger("mooncake.store.kv_follow")
+
+# Producers tip every second or so (a store node each heartbeat, an engine tier each
+# announcement): one not heard of for this long is dead or cut off, and its blocks unknown.
+SILENT_S = 3.0
 
 
 class KvIndexSubscriber:
@@ -44,8 +50,10 @@ class KvIndexSubscriber:
         timeout_s: float = 2.0,
         engine: bool = False,
         on_state: Callable[[], None] | None = None,
+        silent_s: float = SILENT_S,
     ) -> None:
         self.nc, self.follower, self.timeout_s = nc, follower, timeout_s
+        self.silent_s = silent_s  # a node not heard of for this long is DEGRADED
         self._on_state = on_state  # called after a node's index state changed
         # node -> (its index state, since when: wall-clock seconds)
         self.states: dict[str, tuple[IndexState, float]] = {}
@@ -60,6 +68,16 @@ class KvIndexSubscriber:
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(self._events, cb=self._on_events)
         await self.nc.flush()
+        task = asyncio.get_running_loop().create_task(self._watch_silence())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_silence(self) -> None:
+        while True:
+            await asyncio.sleep(self.silent_s / 4)
+            for node_id in self.follower.silence(time.monotonic(), self.silent_s):
+                log.warning("KV index of %s: silent for %.1f s", node_id, self.silent_s)
+                self._changed(node_id)
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -69,14 +87,28 @@ class KvIndexSubscriber:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def drop_node(self, node_id: str) -> None:
+        """The node is gone: its blocks leave the index and its state is no longer known
+        (its next life starts again from a snapshot, and a new `since`)."""
+        self.follower.drop_node(node_id)
+        self.states.pop(node_id, None)
+
     async def _on_events(self, msg: Msg) -> None:
         try:
             w = p.KvEvents.model_validate_json(msg.data)
         except Exception:
             log.warning("unreadable KV events on %s ignored", msg.subject)
             return
-        batch = KvEventBatch(w.node_id, w.seq, tuple(w.stored), tuple(w.removed), w.epoch)
-        res = self.follower.apply(batch)
+        res: Applied | NeedSnapshot
+        if w.tip:
+            res = self.follower.tip(KvTip(w.node_id, w.seq, w.epoch))
+        else:
+            batch = KvEventBatch(
+                w.node_id, w.seq, tuple(w.stored), tuple(w.removed), w.epoch, tuple(w.ssd),
+                tuple(w.dram),
+            )  # fmt: skip
+            res = self.follower.apply(batch)
+        self.follower.heard(w.node_id, time.monotonic())
         self._changed(w.node_id)
         if isinstance(res, NeedSnapshot) and w.node_id not in self._fetching:
             self._fetching.add(w.node_id)
@@ -104,8 +136,9 @@ class KvIndexSubscriber:
                         self._snapshot(node_id), b"", timeout=self.timeout_s
                     )
                     w = p.KvSnapshotWire.model_validate_json(resp.data)
-                    snap = KvSnapshot(w.node_id, w.seq, tuple(w.keys), w.epoch)
+                    snap = KvSnapshot(w.node_id, w.seq, tuple(w.keys), w.epoch, tuple(w.ssd))
                     res = self.follower.load_snapshot(snap)
+                    self.follower.heard(w.node_id, time.monotonic())
                     self.snapshots += 1
                     if not isinstance(res, NeedSnapshot):
                         return
@@ -118,7 +151,8 @@ class KvIndexSubscriber:
             log.warning("no usable snapshot from %s: its blocks count as unknown", node_id)
         finally:
             self._fetching.discard(node_id)
-            self._changed(node_id)
+            if node_id in self.follower.states():  # not dropped meanwhile (a dead node)
+                self._changed(node_id)
 
 
 # --- the producer side's wire form (store nodes, engine tiers) ------------------------------
@@ -128,8 +162,19 @@ def batch_bytes(batch: KvEventBatch) -> bytes:
     """A producer's KV event batch as `KvIndexSubscriber` reads it."""
     wire = p.KvEvents(
         node_id=batch.node_id, seq=batch.seq, epoch=batch.epoch,
-        stored=list(batch.stored), removed=list(batch.removed),
+        stored=list(batch.stored), removed=list(batch.removed), ssd=list(batch.ssd),
+        dram=list(batch.dram),
     )  # fmt: skip
+    return wire.model_dump_json().encode()
+
+
+def tip_bytes(log: KvEventLog) -> bytes | None:
+    """A producer's tip (its last seq, no changes) as `KvIndexSubscriber` reads it; None
+    before its first batch (nothing to miss)."""
+    tip = log.tip()
+    if tip.seq < 1:
+        return None
+    wire = p.KvEvents(node_id=tip.node_id, seq=tip.seq, epoch=tip.epoch, tip=True)
     return wire.model_dump_json().encode()
 
 
@@ -137,8 +182,9 @@ async def answer_snapshot(log: KvEventLog, msg: Msg) -> None:
     """Reply to a follower's snapshot request with the producer's whole key set."""
     snap = log.snapshot()
     wire = p.KvSnapshotWire(
-        node_id=snap.node_id, seq=snap.seq, epoch=snap.epoch, keys=sorted(snap.keys)
-    )
+        node_id=snap.node_id, seq=snap.seq, epoch=snap.epoch, keys=sorted(snap.keys),
+        ssd=sorted(snap.ssd),
+    )  # fmt: skip
     if msg.reply:
         with contextlib.suppress(Exception):
             await msg.respond(wire.model_dump_json().encode())

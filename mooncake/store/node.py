@@ -28,7 +28,7 @@ from mooncake import metrics
 from mooncake.aio import cancel_all
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
-from mooncake.store.kv_follow import answer_snapshot, batch_bytes
+from mooncake.store.kv_follow import answer_snapshot, batch_bytes, tip_bytes
 from mooncake.store.kv_index import KvEventLog
 from mooncake.store.segment import Segment, sweep_stale
 from mooncake.store.transfer.base import (
@@ -215,6 +215,7 @@ class StoreNode:
         req = p.HeartbeatRequest(node_id=self.config.node_id)
         while not self._stopping:
             await asyncio.sleep(self.config.heartbeat_s)
+            await self._publish_tip()
             try:
                 reply = p.OkReply.model_validate_json(await self._request("heartbeat", req))
             except Exception as e:
@@ -226,18 +227,26 @@ class StoreNode:
 
     # --- what the segments hold -------------------------------------------------------------
 
-    def _apply(self, update: p.NodeUpdate) -> tuple[list[str], list[str]]:
-        before = update.key in self.held
+    def _on_ssd(self, key: str) -> bool | None:
+        """Whether this node keeps `key` only on SSD (None: it does not hold it)."""
+        by_seg = self.held.get(key)
+        if not by_seg:
+            return None
+        return all(self._tier(sid) is Tier.SSD for sid in by_seg)
+
+    def _tier(self, segment_id: str) -> Tier:
+        try:
+            return self.table.get(segment_id).info.tier
+        except TransferError:  # a segment the master names but this node does not have
+            return Tier.DRAM
+
+    def _apply(self, update: p.NodeUpdate, kv: _KvDelta) -> None:
+        before = self._on_ssd(update.key)
         if update.held:
             self.held[update.key] = {o.segment_id: o for o in update.held}
         else:
             self.held.pop(update.key, None)
-        after = update.key in self.held
-        if after and not before:
-            return [update.key], []
-        if before and not after:
-            return [], [update.key]
-        return [], []
+        kv.note(update.key, before, self._on_ssd(update.key))
 
     async def _on_changes(self, msg: Msg) -> None:
         try:
@@ -252,13 +261,10 @@ class StoreNode:
             await self._resync()
             return
         self._seq = changes.seq
-        stored: list[str] = []
-        removed: list[str] = []
+        kv = _KvDelta()
         for u in changes.updates:
-            s, r = self._apply(u)
-            stored += s
-            removed += r
-        await self._publish_kv(stored, removed)
+            self._apply(u, kv)
+        await self._publish_kv(kv)
 
     async def _resync(self) -> None:
         """Replace the map by the master's listing (a notification was lost)."""
@@ -271,21 +277,31 @@ class StoreNode:
             except Exception as e:
                 log.warning("resync failed: %s", e)
                 return
-            old = set(self.held)
+            old = {key: self._on_ssd(key) for key in self.held}
             self.held = {}
             for o in listing.objects:
                 self.held.setdefault(o.key, {})[o.segment_id] = o
             self._seq = listing.seq
-            new = set(self.held)
-            await self._publish_kv(sorted(new - old), sorted(old - new))
+            kv = _KvDelta()
+            for key in sorted(old.keys() | self.held.keys()):
+                kv.note(key, old.get(key), self._on_ssd(key))
+            await self._publish_kv(kv)
 
-    async def _publish_kv(self, stored: list[str], removed: list[str]) -> None:
-        if not stored and not removed:
+    async def _publish_kv(self, kv: _KvDelta) -> None:
+        if not kv:
             return
-        batch = self.kv_log.record(stored, removed)
+        batch = self.kv_log.record(kv.stored, kv.removed, ssd=kv.ssd, dram=kv.dram)
         self.stats.kv_batches += 1
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.kv_events(self.config.node_id), batch_bytes(batch))
+
+    async def _publish_tip(self) -> None:
+        """Where this node's KV events stand, each heartbeat: a follower that missed the
+        last batch sees the gap (store/kv_index.py `KvTip`)."""
+        data = tip_bytes(self.kv_log)
+        if data is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subjects.kv_events(self.config.node_id), data)
 
     async def _on_snapshot(self, msg: Msg) -> None:
         await answer_snapshot(self.kv_log, msg)
@@ -312,3 +328,30 @@ class StoreNode:
         if msg.reply:
             with contextlib.suppress(Exception):
                 await msg.respond(reply.model_dump_json().encode())
+
+
+class _KvDelta:
+    """What changed in the node's key set and tiers, as one KV event batch
+    (store/kv_index.py): a key's state is None (not held), False (in DRAM) or True (only on
+    SSD)."""
+
+    def __init__(self) -> None:
+        self.stored: list[str] = []
+        self.removed: list[str] = []
+        self.ssd: list[str] = []
+        self.dram: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.ssd or self.dram)
+
+    def note(self, key: str, before: bool | None, after: bool | None) -> None:
+        if after is None:
+            if before is not None:
+                self.removed.append(key)
+            return
+        if before is None:
+            self.stored.append(key)
+        if after and before is not True:
+            self.ssd.append(key)
+        elif not after and before is True:
+            self.dram.append(key)

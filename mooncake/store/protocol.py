@@ -225,6 +225,11 @@ class KvEvents(Wire):
     epoch: Annotated[str, Field(max_length=64)] = ""
     stored: list[Key] = []
     removed: list[Key] = []
+    # Tier changes (store/kv_index.py): now only on the node's SSD / back in its DRAM.
+    ssd: list[Key] = []
+    dram: list[Key] = []
+    # A tip: no changes; `seq` is the producer's last batch (store/kv_index.py `KvTip`).
+    tip: bool = False
 
 
 class KvSnapshotWire(Wire):
@@ -232,6 +237,7 @@ class KvSnapshotWire(Wire):
     seq: Annotated[int, Field(ge=0)]
     epoch: Annotated[str, Field(max_length=64)] = ""
     keys: list[Key]
+    ssd: list[Key] = []  # of `keys`, those held only on SSD
 
 
 class Subjects:

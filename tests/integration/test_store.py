@@ -233,6 +233,16 @@ async def test_master_restart_finds_objects_again(cluster: Cluster) -> None:
 
 async def test_ssd_tier_offload_and_promotion(cluster: Cluster) -> None:
     await cluster.add_node("n1", dram=1 * MiB, ssd=8 * MiB)
+    index = BlockIndex()  # what the Conductor would see of it
+    sub = KvIndexSubscriber(cluster.nc, cluster.ns, KvIndexFollower(index))
+    await sub.start()
+    try:
+        await _offload_and_promote(cluster, index)
+    finally:
+        await sub.stop()
+
+
+async def _offload_and_promote(cluster: Cluster, index: BlockIndex) -> None:
     client = cluster.client(("tcp",))
     blocks = [(f"s{i}", blob(64 * 1024, i)) for i in range(40)]  # 2.5 MiB > 1 MiB of DRAM
     for key, data in blocks:
@@ -246,6 +256,12 @@ async def test_ssd_tier_offload_and_promotion(cluster: Cluster) -> None:
         return set() if obj is None else {r.tier for r in obj.replicas}
 
     await wait_for(lambda: _async(Tier.SSD in tiers("s0")), 5, "s0 to be offloaded to SSD")
+    # The offload is a KV event: the index knows s0 is held on n1's SSD alone.
+    await wait_for(
+        lambda: _async(tiers("s0") == {Tier.SSD} and index.ssd_holders("s0") == {"n1"}),
+        5, "the index to see s0 only on SSD",
+    )  # fmt: skip
+    assert index.holders("s0") == {"n1"}
     got = await client.get("s0")  # served from SSD ...
     assert got is not None and bytes(got) == blocks[0][1]
 
@@ -257,6 +273,9 @@ async def test_ssd_tier_offload_and_promotion(cluster: Cluster) -> None:
         return Tier.DRAM in tiers("s0")
 
     await wait_for(promoted_on_hit, 5, "s0 to be promoted on hit")
+    # ... and so is the promotion: back in DRAM, no longer charged an SSD read.
+    await wait_for(lambda: _async(not index.ssd_holders("s0")), 5, "the index to see s0 in DRAM")
+    assert index.holders("s0") == {"n1"}
     got = await client.get("s0")
     assert got is not None and bytes(got) == blocks[0][1]
 
@@ -423,3 +442,22 @@ async def test_put_in_pieces_is_invisible_until_commit_and_reads_in_pieces(
     await aborted.abort()
     assert not await client.exists("never")
     assert await client.put("never", b"y" * 100) is None  # the key is free again
+
+
+async def test_a_lost_last_kv_batch_is_seen_at_the_node_s_next_tip(cluster: Cluster) -> None:
+    """A node that goes quiet after a lost batch: no later batch shows the gap, its tip (each
+    heartbeat) does, and the follower resyncs."""
+    node = await cluster.add_node("n1")
+    index = BlockIndex()
+    follower = KvIndexFollower(index)
+    sub = KvIndexSubscriber(cluster.nc, cluster.ns, follower)
+    await sub.start()
+    try:
+        client = cluster.client(("tcp",))
+        assert await client.put("t0", b"x" * 100) is None
+        await wait_for(lambda: _async(index.holders("t0") == {"n1"}), 5, "t0 in the index")
+        node.kv_log.record(["lost"], [])  # its last batch, never delivered
+        await wait_for(lambda: _async(index.holders("lost") == {"n1"}), 5, "a resync at the tip")
+        assert sub.snapshots >= 1 and follower.unsure() == frozenset()
+    finally:
+        await sub.stop()

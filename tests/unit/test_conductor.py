@@ -98,6 +98,35 @@ def test_blocks_of_a_node_whose_index_is_not_exact_count_as_unknown() -> None:
     assert d.prefill_instance == "p1" and d.prefix_tokens == 60
 
 
+def test_blocks_held_only_on_ssd_are_charged_the_ssd_read() -> None:
+    """Reading a prefix the node keeps only on SSD costs the SSD's time (in transfer_s), so
+    an instance with the same prefix in DRAM wins, and the record says how many blocks came
+    from SSD."""
+    ssd = Costs(
+        Linear(), Linear(), TransferModel(1000.0, 0.0, 1), ssd=TransferModel(2000.0, 0.0, 1)
+    )
+    v = view()
+    v.apply(cl.BlocksStored("p1", KEYS[:6]), 0.0)
+    v.apply(cl.BlocksStored("p2", KEYS[:6]), 0.0)
+    v.blocks.to_ssd("p1", KEYS[:4])
+    d = decide(v, req(), CFG, ssd, 0.0)
+    # p1: 40 tokens from SSD at 2000 tok/s = 0.02 s + prefill 40 tokens 0.04 = 0.06
+    # p2: all in DRAM: 0.04;  p0: transfer 60 tokens from p2's DRAM 0.06 + 0.04 = 0.10
+    assert [c[3] for c in d.candidates] == [0.06, 0.02, 0.0]
+    assert d.prefill_instance == "p2" and d.ssd_prefix_blocks == 0
+    queue(v, "p2", 1.0, "busy")
+    d = decide(v, req(), CFG, ssd, 0.0)
+    assert d.prefill_instance == "p1" and d.ssd_prefix_blocks == 4
+    assert d.transfer_s == 0.02 and d.predicted_ttft_s == 0.06
+    # Pool blocks no node holds in DRAM are read from an SSD before the transfer.
+    v.blocks.to_ssd("p2", KEYS[:4])
+    d = decide(v, req(), CFG, ssd, 0.0)
+    p0 = next(c for c in d.candidates if c[0] == "p0")
+    assert p0[3] == 0.06 + 0.02  # 60 tokens' transfer + 40 tokens from SSD
+    # Counted as free where the cost model knows no SSD (the reference before profiling).
+    assert [c[3] for c in decide(v, req(), CFG, COSTS, 0.0).candidates][1] == 0.0
+
+
 def test_an_engine_tier_whose_index_is_not_exact_counts_as_unknown() -> None:
     v = view()
     v.engine_blocks.add("p0", KEYS[:5])

@@ -13,6 +13,7 @@ from mooncake.store.kv_index import (
     KvEventLog,
     KvIndexFollower,
     KvSnapshot,
+    KvTip,
     NeedSnapshot,
 )
 
@@ -248,3 +249,126 @@ def test_a_match_excluding_nodes_is_the_match_without_them(
     assert (got.best_blocks, got.node_blocks, got.full_holders) == (
         want.best_blocks, want.node_blocks, want.full_holders,
     )  # fmt: skip
+
+
+def test_tiers_follow_offload_and_promotion_through_batches_and_snapshots() -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    log = KvEventLog("n1")
+    index.add("n2", ["a"])
+    f.apply(log.record(["a", "b", "c"]))
+    f.apply(log.record(ssd=["a", "b", "zz"]))  # a key it does not hold is no tier change
+    assert log.ssd_keys == {"a", "b"}
+    assert (index.ssd_holders("a"), index.ssd_holders("b")) == ({"n1"}, {"n1"})
+    assert index.ssd_holders("zz") == frozenset() and index.holders("zz") == frozenset()
+    f.apply(log.record(dram=["a"]))  # promoted
+    f.apply(log.record(removed=["b"]))  # evicted from its SSD too
+    assert log.ssd_keys == frozenset() and index.ssd_holders("b") == frozenset()
+    assert index.ssd_holders("a") == frozenset() and index.holders("a") == {"n1", "n2"}
+    f.apply(log.record(["d"], ssd=["d"]))  # stored straight to SSD (one batch)
+    snap = log.snapshot()
+    assert snap.ssd == ("d",) and set(snap.keys) == {"a", "c", "d"}
+    other = BlockIndex()
+    KvIndexFollower(other).load_snapshot(snap)
+    assert other.ssd_holders("d") == {"n1"} and other.ssd_holders("c") == frozenset()
+
+
+def test_a_tip_ahead_of_the_applied_batches_is_a_gap() -> None:
+    f = KvIndexFollower(BlockIndex())
+    log = KvEventLog("n1", epoch="e")
+    f.apply(log.record(["a"]))
+    assert f.tip(log.tip()) == Applied("n1", 1, 0)  # in step: nothing to do
+    log.record(["b"])  # lost: nothing later arrives to show it
+    assert f.tip(log.tip()) == NeedSnapshot("n1", "tip")
+    assert f.state("n1") is IndexState.RESYNCING
+    assert f.tip(log.tip()) == Applied("n1", 1, 0)  # asked once per gap
+    f.load_snapshot(log.snapshot())
+    assert f.state("n1") is IndexState.EXACT
+    # A tip of a new life (restart) drops the old keys and asks for the new ones.
+    assert f.tip(KvTip("n1", 3, "e2")) == NeedSnapshot("n1", "tip")
+    assert f.index.holders("a") == frozenset()
+
+
+tier_record = hs.tuples(
+    hs.lists(hs.sampled_from(KEYS), max_size=3),
+    hs.lists(hs.sampled_from(KEYS), max_size=2),
+    hs.lists(hs.sampled_from(KEYS), max_size=3),
+    hs.lists(hs.sampled_from(KEYS), max_size=2),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(script=hs.lists(hs.tuples(tier_record, hs.integers(0, 2), hs.integers(0, 3)), max_size=40))
+def test_an_exact_node_s_tiers_are_exactly_the_producer_s_at_the_applied_seq(
+    script: list[tuple[tuple[list[str], list[str], list[str], list[str]], int, int]],
+) -> None:
+    """Under loss, duplication and reordering, whenever the node is EXACT the index says
+    which of its blocks are on SSD exactly as the producer did at the applied seq; after the
+    closing snapshot the two agree."""
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    log = KvEventLog("n1")
+    at = {0: (frozenset[str](), frozenset[str]())}
+    wire: list[tuple[int, KvEventBatch]] = []
+    for i, ((stored, removed, ssd, dram), copies, delay) in enumerate(script):
+        batch = log.record(stored, removed, ssd=ssd, dram=dram)
+        at[batch.seq] = (log.keys, log.ssd_keys)
+        wire += [(i + delay, batch)] * copies
+    wire.sort(key=lambda x: x[0])
+
+    def tiers() -> tuple[set[str], set[str]]:
+        return held(index, "n1", KEYS), {k for k in KEYS if "n1" in index.ssd_holders(k)}
+
+    for _, batch in wire:
+        f.apply(batch)
+        if f.state("n1") is IndexState.EXACT:
+            assert tiers() == at[f.expected("n1") - 1]
+    f.load_snapshot(log.snapshot())
+    assert tiers() == (log.keys, log.ssd_keys)
+
+
+def test_a_node_s_delta_says_which_keys_came_went_or_changed_tier() -> None:
+    from mooncake.store.node import _KvDelta
+
+    kv = _KvDelta()
+    assert not kv
+    # (key, before, after): None not held, False in DRAM, True only on SSD
+    for key, before, after in [
+        ("new", None, False), ("new-on-ssd", None, True), ("gone", False, None),
+        ("gone-from-ssd", True, None), ("offloaded", False, True), ("promoted", True, False),
+        ("same", False, False), ("still-ssd", True, True), ("never", None, None),
+    ]:  # fmt: skip
+        kv.note(key, before, after)
+    assert kv.stored == ["new", "new-on-ssd"]
+    assert kv.removed == ["gone", "gone-from-ssd"]
+    assert kv.ssd == ["new-on-ssd", "offloaded"] and kv.dram == ["promoted"]
+
+
+def test_pool_blocks_no_node_holds_in_dram_are_read_from_ssd() -> None:
+    index = BlockIndex()
+    index.add("a", KEYS[:4])
+    index.add("b", KEYS[:2])
+    index.to_ssd("a", KEYS[:4])
+    assert index.has_ssd
+    # k0, k1: b holds them in DRAM; k2, k3: only a's SSD
+    assert index.pool_ssd_blocks(KEYS, 0, 4) == 2
+    assert index.pool_ssd_blocks(KEYS, 0, 4, exclude=frozenset({"b"})) == 4
+    assert index.pool_ssd_blocks(KEYS, 3, 3) == 0
+    index.drop_node("a")
+    assert not index.has_ssd and index.pool_ssd_blocks(KEYS, 0, 4) == 0
+
+
+def test_a_node_not_heard_of_is_degraded_until_it_is_heard_again() -> None:
+    index = BlockIndex()
+    f = KvIndexFollower(index)
+    f.apply(KvEventBatch("n1", 1, ("a",)))
+    f.apply(KvEventBatch("n2", 1, ("a",)))
+    f.heard("n1", 10.0)
+    f.heard("n2", 12.0)
+    assert f.silence(12.9, 3.0) == []
+    assert f.silence(13.5, 3.0) == ["n1"]  # killed, cut off: its blocks count as unknown
+    assert f.silence(14.0, 3.0) == []  # said once
+    assert f.state("n1") is IndexState.DEGRADED and f.unsure() == {"n1"}
+    assert index.match(["a"], f.unsure()).node_blocks == {"n2": 1}
+    assert f.heard("n1", 14.0) and f.state("n1") is IndexState.EXACT  # its tip came back
+    assert not f.heard("n1", 14.5)
