@@ -46,7 +46,7 @@ class Book:
         self.stats: dict[str, int] = dict.fromkeys(
             (
                 "evicted", "offloaded", "promoted", "moves_failed", "reclaimed", "revoked",
-                "nodes_lost", "restore_adopted", "restore_rejected",
+                "nodes_lost", "restore_adopted", "restore_rejected", "restore_dropped",
             ),
             0,
         )  # fmt: skip

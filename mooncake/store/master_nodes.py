@@ -55,10 +55,15 @@ def restore(
     now: float,
 ) -> Restored | Refusal:
     """A node (re-)mounts and reports the objects whose bytes it holds: adopt them as
-    COMPLETE replicas at exactly those ranges."""
+    COMPLETE replicas at exactly those ranges. Its report is the truth for its segments: a
+    complete replica there that it does not report is gone (a node killed and started again
+    before it timed out comes back with empty segments under the same ids), and is dropped
+    as lost, so no reader is sent to bytes that are not there."""
     if any(s.node_id != node_id for s in segments):
         return Refusal(Reason.INVALID, f"a segment of another node in {node_id}'s mount")
     mounted = {s.segment_id for s in segments if isinstance(mount(b, s, now), Ok)}
+    objects = list(objects)
+    _drop_unreported(b, mounted, {(o.key, o.segment_id) for o in objects}, now)
     adopted = rejected = 0
     changed: dict[str, _Obj] = {}
     for rep in objects:
@@ -73,6 +78,30 @@ def restore(
     b.stats["restore_adopted"] += adopted
     b.stats["restore_rejected"] += rejected
     return Restored(adopted, rejected)
+
+
+def _drop_unreported(
+    b: Book, mounted: set[str], reported: set[tuple[str, str]], now: float
+) -> None:
+    """Drop the complete replicas on `mounted` segments that the node did not report."""
+    for sid in sorted(mounted):
+        for key in sorted(b.segments[sid].keys):
+            obj = b.objects.get(key)
+            if obj is None or not obj.complete:
+                continue  # a put in flight: its own timeout or put_end settles it
+            gone = [
+                r for r in obj.replicas
+                if r.segment_id == sid and r.state is ReplicaState.COMPLETE
+                and (key, sid) not in reported
+            ]  # fmt: skip
+            if not gone:
+                continue
+            mv = obj.move
+            if mv is not None and sid in (mv.src.segment_id, mv.dst.segment_id):
+                b.cancel_move(obj)
+                gone = [r for r in gone if r in obj.replicas]
+            b.drop_replicas(obj, gone, "node_lost", now)
+            b.stats["restore_dropped"] += 1
 
 
 def _adopt(b: Book, rep: ReportedObject, now: float) -> _Obj | None:

@@ -350,8 +350,31 @@ def test_restore_after_a_restart_finds_the_objects_again() -> None:
         q = p.replicas[0]
         assert r.offset + 1 * KB <= q.offset or q.offset + 256 <= r.offset
     # Reporting again what the master already knows is harmless.
-    assert new.restore("a", [dram("a")], reports[:1], 4.0) == Restored(1, 0)
+    new.drain()
+    all_of_it = [*reports, ReportedObject("w", r.segment_id, r.offset, fresh.size)]
+    assert new.restore("a", [dram("a"), ssd("a")], all_of_it, 4.0) == Restored(4, 0)
+    assert not of_type(new.drain(), ObjectRemoved)
     refused(new.restore("a", [dram("b")], [], 4.0), Reason.INVALID)
+
+
+def test_a_node_back_with_empty_segments_loses_what_it_does_not_report() -> None:
+    """A node killed and started again before it timed out re-mounts the same segment ids
+    with nothing in them: what the master had there is gone, not served from empty bytes."""
+    st = master(dram("a"), dram("b"))
+    put(st, "x", replicas=2)  # on a and b
+    put(st, "y", preferred_segment="a-dram-0")
+    put(st, "kept", preferred_segment="a-dram-0")
+    kept = found(st.lookup("kept", 1.0)).replicas[0]
+    st.drain()
+    report = [ReportedObject("kept", kept.segment_id, kept.offset, kept.size)]
+    assert st.restore("a", [dram("a")], report, 2.0) == Restored(1, 0)
+    changes = st.drain()
+    assert {c.key for c in of_type(changes, ObjectRemoved)} == {"y"}
+    assert [(c.key, c.replica.node_id) for c in of_type(changes, ReplicaDropped)] == [("x", "a")]
+    assert [r.node_id for r in found(st.lookup("x", 3.0)).replicas] == ["b"]
+    refused(st.lookup("y", 3.0), Reason.NOT_FOUND)
+    assert found(st.lookup("kept", 3.0)).replicas[0].offset == kept.offset
+    assert st.stats["restore_dropped"] == 2
 
 
 # --- SSD tier ----------------------------------------------------------------------------------
