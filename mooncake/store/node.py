@@ -333,25 +333,32 @@ class StoreNode:
 class _KvDelta:
     """What changed in the node's key set and tiers, as one KV event batch
     (store/kv_index.py): a key's state is None (not held), False (in DRAM) or True (only on
-    SSD)."""
+    SSD). A key changed several times in one batch (removed, then put again) counts by its
+    state before the first change and after the last: a batch applies stored before
+    removed, so "removed and stored again" must not reach it as both."""
 
     def __init__(self) -> None:
-        self.stored: list[str] = []
-        self.removed: list[str] = []
-        self.ssd: list[str] = []
-        self.dram: list[str] = []
+        self._changed: dict[str, tuple[bool | None, bool | None]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.removed or self.ssd or self.dram)
+        return any(before != after for before, after in self._changed.values())
 
     def note(self, key: str, before: bool | None, after: bool | None) -> None:
-        if after is None:
-            if before is not None:
-                self.removed.append(key)
-            return
-        if before is None:
-            self.stored.append(key)
-        if after and before is not True:
-            self.ssd.append(key)
-        elif not after and before is True:
-            self.dram.append(key)
+        first = self._changed.get(key)
+        self._changed[key] = (before if first is None else first[0], after)
+
+    @property
+    def stored(self) -> list[str]:
+        return [k for k, (b, a) in self._changed.items() if b is None and a is not None]
+
+    @property
+    def removed(self) -> list[str]:
+        return [k for k, (b, a) in self._changed.items() if b is not None and a is None]
+
+    @property
+    def ssd(self) -> list[str]:
+        return [k for k, (b, a) in self._changed.items() if a is True and b is not True]
+
+    @property
+    def dram(self) -> list[str]:
+        return [k for k, (b, a) in self._changed.items() if a is False and b is True]

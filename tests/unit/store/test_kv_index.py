@@ -342,6 +342,15 @@ def test_a_node_s_delta_says_which_keys_came_went_or_changed_tier() -> None:
     assert kv.stored == ["new", "new-on-ssd"]
     assert kv.removed == ["gone", "gone-from-ssd"]
     assert kv.ssd == ["new-on-ssd", "offloaded"] and kv.dram == ["promoted"]
+    # One key changed twice in a batch (removed, then put again): its net change only. A
+    # batch applies stored before removed, so both would have left it absent.
+    again = _KvDelta()
+    again.note("k", False, None)
+    again.note("k", None, False)
+    assert not again and (again.stored, again.removed) == ([], [])
+    again.note("j", None, False)
+    again.note("j", False, True)  # put, then offloaded
+    assert (again.stored, again.ssd) == (["j"], ["j"])
 
 
 def test_pool_blocks_no_node_holds_in_dram_are_read_from_ssd() -> None:
