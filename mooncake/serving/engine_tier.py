@@ -67,9 +67,8 @@ class EngineTier:
         stored, removed = sorted(now - known), sorted(known - now)
         subject = self.subjects.engine_kv_events(self.instance)
         if not stored and not removed:  # where it stands, so a lost last batch is seen
-            if (tip := tip_bytes(self.log)) is not None:
-                with contextlib.suppress(Exception):
-                    await self.nc.publish(subject, tip)
+            with contextlib.suppress(Exception):
+                await self.nc.publish(subject, tip_bytes(self.log))
             return False
         batch = self.log.record(stored, removed)
         with contextlib.suppress(Exception):  # a lost batch is a gap: the snapshot heals it

@@ -168,12 +168,11 @@ def batch_bytes(batch: KvEventBatch) -> bytes:
     return wire.model_dump_json().encode()
 
 
-def tip_bytes(log: KvEventLog) -> bytes | None:
-    """A producer's tip (its last seq, no changes) as `KvIndexSubscriber` reads it; None
-    before its first batch (nothing to miss)."""
+def tip_bytes(log: KvEventLog) -> bytes:
+    """A producer's tip (its epoch and last seq, no changes) as `KvIndexSubscriber` reads
+    it. Also before its first batch (seq 0): a restarted producer that holds nothing yet
+    still tells the followers its old life's keys are gone."""
     tip = log.tip()
-    if tip.seq < 1:
-        return None
     wire = p.KvEvents(node_id=tip.node_id, seq=tip.seq, epoch=tip.epoch, tip=True)
     return wire.model_dump_json().encode()
 

@@ -298,10 +298,9 @@ class StoreNode:
     async def _publish_tip(self) -> None:
         """Where this node's KV events stand, each heartbeat: a follower that missed the
         last batch sees the gap (store/kv_index.py `KvTip`)."""
-        data = tip_bytes(self.kv_log)
-        if data is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.publish(self.subjects.kv_events(self.config.node_id), data)
+        with contextlib.suppress(Exception):
+            subject = self.subjects.kv_events(self.config.node_id)
+            await self.nc.publish(subject, tip_bytes(self.kv_log))
 
     async def _on_snapshot(self, msg: Msg) -> None:
         await answer_snapshot(self.kv_log, msg)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mooncake.namespace import Namespace
+from mooncake.store.kv_index import IndexState
 from mooncake.store.types import Pin, Placement, Reason, Replica, ReplicaState, SegmentInfo, Tier
 
 MAX_BATCH = 10_000
@@ -220,7 +221,7 @@ class NodeChanges(Wire):
 
 class KvEvents(Wire):
     node_id: NodeId
-    seq: Annotated[int, Field(ge=1)]
+    seq: Annotated[int, Field(ge=0)]  # a batch's is >= 1; a tip's is 0 before any batch
     # A node process's life: a restarted node starts again at seq 1 under a new epoch.
     epoch: Annotated[str, Field(max_length=64)] = ""
     stored: list[Key] = []
@@ -230,6 +231,12 @@ class KvEvents(Wire):
     dram: list[Key] = []
     # A tip: no changes; `seq` is the producer's last batch (store/kv_index.py `KvTip`).
     tip: bool = False
+
+    @model_validator(mode="after")
+    def _batch_seq(self) -> KvEvents:
+        if not self.tip and self.seq < 1:
+            raise ValueError("a batch's seq starts at 1")
+        return self
 
 
 class KvSnapshotWire(Wire):

@@ -284,9 +284,13 @@ def test_a_tip_ahead_of_the_applied_batches_is_a_gap() -> None:
     assert f.tip(log.tip()) == Applied("n1", 1, 0)  # asked once per gap
     f.load_snapshot(log.snapshot())
     assert f.state("n1") is IndexState.EXACT
-    # A tip of a new life (restart) drops the old keys and asks for the new ones.
+    # A tip of a new life (restart) drops the old keys and asks for the new ones ...
     assert f.tip(KvTip("n1", 3, "e2")) == NeedSnapshot("n1", "tip")
     assert f.index.holders("a") == frozenset()
+    # ... and one that has stored nothing yet (seq 0) needs no snapshot to say so.
+    f.load_snapshot(KvSnapshot("n1", 3, ("x",), "e2"))
+    assert f.tip(KvTip("n1", 0, "e3")) == Applied("n1", 0, 0)
+    assert f.index.holders("x") == frozenset() and f.state("n1") is IndexState.EXACT
 
 
 tier_record = hs.tuples(
