@@ -41,32 +41,47 @@ NAMESPACE = "bench_store"
 NODE = "bench-node"
 
 
-def _spawn(
-    role: str, name: str, nats_url: str, secret: str, tmp: Path, segment: int
+def spawn_store_role(
+    role: str,
+    name: str,
+    nats_url: str,
+    secret: str,
+    tmp: Path,
+    *,
+    namespace: str = NAMESPACE,
+    env: dict[str, str] | None = None,
 ) -> ManagedProcess:
-    env = dict(os.environ)
-    env.update(
+    """`mooncake worker <role>` (store-master, store-node) as its own process on a private
+    broker, quiet, its log under `tmp/logs`; `env` adds or overrides settings."""
+    full = dict(os.environ)
+    full.update(
         {
             "MOONCAKE_NATS_URL": nats_url,
-            "MOONCAKE_NAMESPACE": NAMESPACE,
+            "MOONCAKE_NAMESPACE": namespace,
             "MOONCAKE_DATA_DIR": str(tmp),
             "MOONCAKE_METRICS_PORT": "-1",
             "MOONCAKE_OTLP_ENDPOINT": "",
             "MOONCAKE_LOG_LEVEL": "WARNING",
             "MOONCAKE_STORE__SECRET": secret,
-            "MOONCAKE_STORE__DRAM_BYTES": str(segment),
             "MOONCAKE_STORE__TRANSPORTS": '["shm", "tcp"]',
-            # The bench removes what it put; nothing should be evicted under it.
-            "MOONCAKE_STORE__HIGH_WATERMARK": "1.0",
+            **(env or {}),
         }
     )
     argv = [sys.executable, "-m", "mooncake.cli", "worker", role, "--instance", name]
-    proc = ManagedProcess(name, argv, tmp / "logs" / f"{name}.log", 0, env=env)
+    proc = ManagedProcess(name, argv, tmp / "logs" / f"{name}.log", 0, env=full)
     proc.spawn()
     return proc
 
 
-async def _wait_ready(client: StoreClient, within_s: float = 60.0) -> None:
+def _spawn(
+    role: str, name: str, nats_url: str, secret: str, tmp: Path, segment: int
+) -> ManagedProcess:
+    # The bench removes what it put; nothing should be evicted under it.
+    env = {"MOONCAKE_STORE__DRAM_BYTES": str(segment), "MOONCAKE_STORE__HIGH_WATERMARK": "1.0"}
+    return spawn_store_role(role, name, nats_url, secret, tmp, env=env)
+
+
+async def wait_store_ready(client: StoreClient, within_s: float = 60.0) -> None:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
@@ -239,7 +254,7 @@ async def run_store_bench(
                 for name in ("tcp", "shm")
                 if available(name)[0]
             }
-            await _wait_ready(clients["tcp"])
+            await wait_store_ready(clients["tcp"])
             for size in SIZES:
                 rows += await _measure_size(clients, size, total_mib * MiB, reps, log)
             result["results"] = rows

@@ -54,6 +54,27 @@ def bench_store(
     print_result("bench store", result, as_json)
 
 
+@bench_app.command("index")
+def bench_index(
+    prompts: Annotated[int, typer.Option(min=6, help="Prompts of the workload (8 blocks)")] = 120,
+    drop_p: Annotated[
+        float, typer.Option(min=0.0001, max=0.5, help="Share of KV event messages lost")
+    ] = 0.01,
+    fault_s: Annotated[float, typer.Option(min=2, help="Seconds of workload per phase")] = 10.0,
+    decisions: Annotated[int, typer.Option(min=1, help="Decisions checked per fault")] = 300,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The Conductor's KV index under faults (lost events, a master restart, a killed node)
+    against a real master and three node processes: time back to exact, and decisions that
+    assumed a block not there, beside a naive index's in the same run."""
+    from mooncake.bench.index import run_index_bench
+
+    run = run_index_bench(
+        prompts=prompts, drop_p=drop_p, fault_s=fault_s, decisions=decisions, log=err.print
+    )
+    _run_stack_bench("index", run, as_json)
+
+
 @bench_app.command("pipeline")
 def bench_pipeline(
     requests: Annotated[int, typer.Option(help="Requests timed one at a time")] = 200,

@@ -53,6 +53,10 @@ class BlockIndex:
     def _intern(self, holders: frozenset[str]) -> frozenset[str]:
         return self._interned.setdefault(holders, holders)
 
+    def keys(self) -> list[str]:
+        """Every key some node holds (O(index): for checks and benches, not decisions)."""
+        return list(self._holders)
+
     def holders(self, key: str) -> frozenset[str]:
         return self._holders.get(key, _EMPTY)
 

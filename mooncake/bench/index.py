@@ -1,0 +1,388 @@
+"""`mooncake bench index`: how exact the Conductor's KV index stays under faults.
+
+The store runs as in production: a private NATS, `mooncake worker store-master` and three
+`mooncake worker store-node` processes, each with a small DRAM segment and an SSD tier so the
+workload offloads, promotes and evicts. This process is the workload (puts of prompts' block
+chains, hits, deletes) and the Conductor's side: the real `KvIndexSubscriber` /
+`KvIndexFollower` into a `ClusterView`'s block index, and Algorithm 1 (`core.conductor.choose`)
+over it, one prefill instance per store node.
+
+Three faults, one after another, each while the workload runs:
+- `drop`: 1 % of the KV event messages the subscriber receives are dropped at random;
+- `master_restart`: the store master is killed (SIGKILL) and started again (it relearns the
+  objects from the nodes' re-mounts);
+- `node_kill`: a store node is killed (SIGKILL), left dead for 4 s (its blocks must stop
+  counting as hits: `silent_detect_s`), then started again (a new life, empty).
+
+A fault *ends* when the drops stop, the master is back, the node is back; the workload then
+pauses so that the truth holds still. `resync_s` is the time from the end until every node's
+index is EXACT **and** holds exactly the keys the master says the node holds (each node's
+listing, `node_objects`). Then `decisions` decisions are made for prompts of the workload and
+each block a decision assumes (its instance's local prefix, the pool's prefix it would fetch)
+is checked against that listing: `overcounted_decisions_after_resync` counts decisions that
+assumed a block not there. The same decisions over a naive index in the same run (every
+received batch applied, no gap detection, snapshots, tips or silence) show that the check can
+fail: `naive_overcounted_decisions`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from mooncake.bench.store import spawn_store_role, wait_store_ready
+from mooncake.core import cluster as cl
+from mooncake.core.block_index import BlockIndex
+from mooncake.core.conductor import ConductorConfig, ScheduleRequest, choose
+from mooncake.core.cost_model import reference_costs
+from mooncake.namespace import Namespace
+from mooncake.services import EmbeddedNats, ManagedProcess
+from mooncake.store import protocol as p
+from mooncake.store.client import ClientConfig, StoreClient
+from mooncake.store.kv_follow import KvIndexSubscriber
+from mooncake.store.kv_index import IndexState, KvIndexFollower
+
+Log = Callable[[str], None]
+KiB, MiB = 1 << 10, 1 << 20
+NAMESPACE = "bench_index"
+NODES = ("ix-node-0", "ix-node-1", "ix-node-2")
+BLOCK_BYTES = 64 * KiB
+BLOCK_TOKENS = 16  # the decisions' block size: only the key chains matter here
+SHARED, OWN = 4, 4  # blocks of a prompt: a group's shared prefix, then its own
+GROUPS = 6
+
+
+class _LossySubscriber(KvIndexSubscriber):
+    """The real subscriber behind a lossy link (`drop_p` of messages lost at random), and
+    beside it the naive index: every batch it receives, applied as it comes."""
+
+    def __init__(self, *args: Any, rng: random.Random, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng, self.drop_p, self.dropped = rng, 0.0, 0
+        self.naive = BlockIndex()
+
+    async def _on_events(self, msg: Msg) -> None:
+        if self.drop_p and self.rng.random() < self.drop_p:
+            self.dropped += 1
+            return
+        try:
+            w = p.KvEvents.model_validate_json(msg.data)
+        except Exception:
+            w = None
+        if w is not None and not w.tip:
+            self.naive.add(w.node_id, w.stored)
+            self.naive.to_ssd(w.node_id, w.ssd)
+            self.naive.to_dram(w.node_id, w.dram)
+            self.naive.remove(w.node_id, w.removed)
+        await super()._on_events(msg)
+
+
+def _prompts(n: int) -> list[tuple[str, ...]]:
+    """Chains of block keys: prompt i shares its group's first blocks."""
+    out = []
+    for i in range(n):
+        g = i % GROUPS
+        out.append(tuple([f"g{g}-{j}" for j in range(SHARED)] + [f"p{i}-{j}" for j in range(OWN)]))
+    return out
+
+
+class _Workload:
+    """Puts prompts' blocks (hot prompts more often), reads some back (promotions from SSD)
+    and deletes some prompts' own blocks, as fast as the store takes them, until paused."""
+
+    def __init__(self, client: StoreClient, prompts: list[tuple[str, ...]], seed: int) -> None:
+        self.client, self.prompts, self.rng = client, prompts, random.Random(seed)
+        self.ops = self.errors = 0
+        self._go = asyncio.Event()
+        self._parked = asyncio.Event()
+        self._payload = bytes(BLOCK_BYTES)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._go.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def pause(self) -> None:
+        """Stop issuing and wait out the op in flight: the store then holds still."""
+        self._go.clear()
+        await asyncio.wait_for(self._parked.wait(), 30)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _pick(self) -> tuple[str, ...]:
+        # Zipf-like: a few hot prompts, a long tail.
+        i = min(int(self.rng.paretovariate(1.2)) - 1, len(self.prompts) - 1)
+        return self.prompts[(i * 7919) % len(self.prompts)]
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._go.is_set():
+                self._parked.set()
+                await self._go.wait()
+                self._parked.clear()
+            keys = self._pick()
+            try:
+                r = self.rng.random()
+                if r < 0.05:
+                    await self.client.remove_many(list(keys[SHARED:]), force=True)
+                elif r < 0.25:
+                    await self.client.get_many(list(keys))
+                else:
+                    await self.client.put_many([(k, self._payload) for k in keys])
+                self.ops += 1
+            except Exception:
+                self.errors += 1
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0)
+
+
+async def _truth(nc: NATS, ns: Namespace, nodes: tuple[str, ...]) -> dict[str, set[str]]:
+    """What each node holds, as the master lists it."""
+    subjects = p.Subjects(ns)
+    out: dict[str, set[str]] = {}
+    for node in nodes:
+        req = p.NodeObjectsRequest(node_id=node).model_dump_json().encode()
+        resp = await nc.request(subjects.master("node_objects"), req, timeout=5)
+        listing = p.NodeObjects.model_validate_json(resp.data)
+        out[node] = {o.key for o in listing.objects}
+    return out
+
+
+def _indexed(index: BlockIndex, keys: set[str], node: str) -> set[str]:
+    return {k for k in keys if node in index.holders(k)}
+
+
+def _view(index_follower: KvIndexFollower | None, index: BlockIndex) -> cl.ClusterView:
+    view = cl.ClusterView()
+    view.blocks = index
+    for i, node in enumerate(NODES):
+        view.apply(cl.InstanceJoined(f"prefill-{i}", "prefill", node), 0.0)
+    view.apply(cl.InstanceJoined("decode-0", "decode", "decode-node", 1 << 30), 0.0)
+    if index_follower is not None:
+        view.unsure_nodes = index_follower.unsure()
+    return view
+
+
+def overcounted(
+    view: cl.ClusterView,
+    prompts: list[tuple[str, ...]],
+    truth: dict[str, set[str]],
+    n: int,
+    rng: random.Random,
+) -> tuple[int, int]:
+    """(decisions that assumed a block not there, blocks assumed) over `n` decisions."""
+    cfg = ConductorConfig(block_tokens=BLOCK_TOKENS)
+    costs = reference_costs()
+    anywhere = set().union(*truth.values())
+    bad = assumed = 0
+    for i in range(n):
+        keys = rng.choice(prompts)
+        req = ScheduleRequest(f"check-{i}", len(keys) * BLOCK_TOKENS, keys)
+        c = choose(view, req, cfg, costs, 0.0)
+        if c is None:
+            continue
+        local = keys[: c.local_blocks]
+        fetched = keys[c.local_blocks : c.prefix_blocks]
+        sources = c.copy.sources if c.copy is not None else ()
+        ok = all(k in truth.get(c.prefill.node, set()) for k in local)
+        if sources:
+            ok &= all(k in truth.get(s, set()) for s in sources for k in fetched)
+        else:
+            ok &= all(k in anywhere for k in fetched)
+        assumed += len(local) + len(fetched)
+        bad += not ok
+    return bad, assumed
+
+
+async def run_index_bench(
+    *,
+    prompts: int = 120,
+    drop_p: float = 0.01,
+    fault_s: float = 10.0,
+    decisions: int = 300,
+    seed: int = 0,
+    log: Log = print,
+) -> dict[str, Any]:
+    if prompts < GROUPS or not 0 < drop_p < 1 or fault_s < 2 or decisions < 1:
+        raise ValueError("prompts >= 6, 0 < drop-p < 1, fault-s >= 2 and decisions >= 1")
+    tmp = Path(tempfile.mkdtemp(prefix="mooncake-bench-index-"))
+    secret = secrets.token_hex(16)
+    ns = Namespace(NAMESPACE)
+    node_env = {
+        "MOONCAKE_STORE__DRAM_BYTES": str(8 * MiB),
+        "MOONCAKE_STORE__SSD_BYTES": str(16 * MiB),
+    }
+    broker: EmbeddedNats | None = None
+    master: ManagedProcess | None = None
+    nodes: dict[str, ManagedProcess] = {}
+    chains = _prompts(prompts)
+    result: dict[str, Any] = {
+        "nodes": len(NODES), "prompts": prompts, "block_bytes": BLOCK_BYTES,
+        "drop_p": drop_p, "fault_s": fault_s, "decisions_per_check": decisions,
+    }  # fmt: skip
+
+    def spawn_master() -> ManagedProcess:
+        return spawn_store_role("store-master", "ix-master", url, secret, tmp, namespace=NAMESPACE)
+
+    def spawn_node(name: str) -> ManagedProcess:
+        return spawn_store_role(
+            "store-node", name, url, secret, tmp, namespace=NAMESPACE, env=node_env
+        )
+
+    try:
+        broker = await asyncio.to_thread(lambda: EmbeddedNats.create(tmp).start())
+        url = broker.url
+        master = spawn_master()
+        for name in NODES:
+            nodes[name] = spawn_node(name)
+        nc = await nats.connect(url)
+        index = BlockIndex()
+        follower = KvIndexFollower(index)
+        sub = _LossySubscriber(nc, ns, follower, rng=random.Random(seed + 1))
+        await sub.start()
+        # Short timeouts: ops meeting a dead master fail fast, so the workload pauses fast.
+        client = StoreClient(nc, ns, ClientConfig(secret.encode(), ("tcp",), 1.0))
+        work = _Workload(client, chains, seed + 2)
+        try:
+            await wait_store_ready(client)
+            work.start()
+            log(f"warming up: {fault_s:.0f} s of workload")
+            await asyncio.sleep(fault_s)
+            faults: dict[str, dict[str, Any]] = {}
+
+            async def settle(name: str, ended: float) -> None:
+                """With the workload paused (the truth holds still): the time from the
+                fault's end until every node's index is EXACT and holds exactly what the
+                master lists for it; then the decisions' check."""
+                truth: dict[str, set[str]] = {}
+                while True:
+                    truth = await _truth(nc, ns, NODES)
+                    keys = set().union(*truth.values()) | set(index.keys())
+                    exact = all(follower.state(n) is IndexState.EXACT for n in NODES)
+                    same = all(_indexed(index, keys, n) == truth[n] for n in NODES)
+                    if exact and same:
+                        break
+                    if time.monotonic() - ended > 30.0:
+                        diff = {
+                            n: (sorted(_indexed(index, keys, n) - truth[n])[:5],
+                                sorted(truth[n] - _indexed(index, keys, n))[:5])
+                            for n in NODES
+                        }  # fmt: skip
+                        raise RuntimeError(
+                            f"{name}: the index did not converge in 30 s: states "
+                            f"{follower.states()}, (indexed not held, held not indexed) {diff}; "
+                            f"logs in {tmp / 'logs'}"
+                        )
+                    await asyncio.sleep(0.05)
+                resync = time.monotonic() - ended
+                view = _view(follower, index)
+                bad, assumed = overcounted(view, chains, truth, decisions, random.Random(seed))
+                naive_bad, _ = overcounted(
+                    _view(None, sub.naive), chains, truth, decisions, random.Random(seed)
+                )
+                held = set().union(*truth.values())
+                faults[name].update(
+                    resync_s=round(resync, 3), overcounted_decisions=bad,
+                    assumed_blocks=assumed, naive_overcounted_decisions=naive_bad,
+                    blocks_held=sum(len(t) for t in truth.values()),
+                    ssd_only_blocks_indexed=sum(1 for k in held if index.ssd_holders(k)),
+                )  # fmt: skip
+                log(f"{name}: {faults[name]}")
+                work.start()
+                await asyncio.sleep(fault_s / 2)  # the workload again before the next fault
+
+            # 1. lost KV events: 1 % dropped while the workload runs; the fault ends when
+            # the link is whole again.
+            faults["drop"] = {}
+            sub.drop_p = drop_p
+            await asyncio.sleep(fault_s)
+            await work.pause()
+            sub.drop_p = 0.0
+            faults["drop"]["dropped_messages"] = sub.dropped
+            await settle("drop", time.monotonic())
+
+            # 2. the store master killed (the workload meets no master for a while) and
+            # started again; the fault ends when it answers.
+            faults["master_restart"] = {}
+            await asyncio.to_thread(master.kill)
+            await asyncio.sleep(1.0)
+            await work.pause()
+            master = spawn_master()
+            await _answers(
+                nc,
+                p.Subjects(ns).master("node_objects"),
+                p.NodeObjectsRequest(node_id=NODES[0]).model_dump_json().encode(),
+            )
+            await settle("master_restart", time.monotonic())
+
+            # 3. a store node killed; its blocks must stop counting as hits (silence);
+            # started again after 4 s, the fault ends when it answers on the bus.
+            faults["node_kill"] = {}
+            victim = NODES[0]
+            await asyncio.to_thread(nodes[victim].kill)
+            killed = time.monotonic()
+            silent_at = None
+            while time.monotonic() - killed < 4.0:
+                if silent_at is None and victim in follower.unsure():
+                    silent_at = time.monotonic()
+                await asyncio.sleep(0.02)
+            faults["node_kill"]["silent_detect_s"] = (
+                round(silent_at - killed, 3) if silent_at is not None else None
+            )
+            await work.pause()
+            nodes[victim] = spawn_node(victim)
+            await _answers(nc, p.Subjects(ns).kv_snapshot(victim), b"")
+            await settle("node_kill", time.monotonic())
+
+            result["faults"] = faults
+            result["workload_ops"], result["workload_errors"] = work.ops, work.errors
+            result["snapshots"] = sub.snapshots
+            result["follower"] = dict(follower.stats)
+            result["resync_s_max"] = max(f["resync_s"] for f in faults.values())
+            result["overcounted_decisions_after_resync"] = sum(
+                f["overcounted_decisions"] for f in faults.values()
+            )
+            result["naive_overcounted_decisions"] = sum(
+                f["naive_overcounted_decisions"] for f in faults.values()
+            )
+            return result
+        finally:
+            await work.stop()
+            await sub.stop()
+            await client.close()
+            await nc.drain()
+    finally:
+        for proc in (*nodes.values(), *([master] if master else [])):
+            await asyncio.to_thread(proc.stop)
+        if broker is not None:
+            await asyncio.to_thread(broker.stop)
+        if "resync_s_max" in result:  # a failed run keeps its logs (named in its error)
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+
+
+async def _answers(nc: NATS, subject: str, payload: bytes, within_s: float = 60.0) -> None:
+    """Until a request on `subject` gets a reply (a restarted process is up on the bus)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await nc.request(subject, payload, timeout=0.5)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing answers on {subject} (see the logs)") from None
+            await asyncio.sleep(0.05)
