@@ -92,6 +92,7 @@ def up(
         if workers:
             console.print(stack.kv_statement())
             stack.start_workers()
+            stack.watch_index()  # the table's `index` column
         console.print(
             f'logs in {settings.data_dir / "logs"}; `mooncake submit "hello"` in another '
             "terminal; Ctrl-C to stop"

@@ -26,6 +26,8 @@ from mooncake.services import (
     free_port,
     url_reachable,
 )
+from mooncake.stack_index import IndexWatch
+from mooncake.store.protocol import KvIndexReport
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ ROLES: tuple[str, ...] = tuple(role for role, _ in LAYOUT)
 # Workers that run the model and hold a KV pool: the default KV budget is divided by these.
 ENGINE_ROLES = ("prefill", "decode")
 ENGINE_WORKERS = sum(n for role, n in LAYOUT if role in ENGINE_ROLES)
+# The Conductor's KV index report older than this (it stopped answering) shows as unknown.
+INDEX_STALE_S = 5.0
 
 
 @dataclass
@@ -78,6 +82,9 @@ class Stack:
     # Every worker serves Prometheus /metrics on a port of its own (`up`; the status table
     # lists them). Off: what the settings say (`metrics_port`, -1 = off by default).
     metrics: bool = False
+    # The Conductor's view of every store node's KV index (`watch_index`; the table's
+    # `index` column), None until watched.
+    index_watch: IndexWatch | None = None
 
     def __post_init__(self) -> None:
         configured = self.settings.store.secret
@@ -200,7 +207,17 @@ class Stack:
         fresh.restarts = w.restarts + 1
         return fresh
 
+    def watch_index(self) -> None:
+        """Follow the Conductor's KV index states for the status table (a thread: the
+        table never waits on the broker)."""
+        if self.index_watch is None:
+            there = self.settings.model_copy(update={"nats_url": self.nats_url})
+            self.index_watch = IndexWatch(there).start()
+
     def stop(self) -> None:
+        if self.index_watch is not None:
+            self.index_watch.stop()
+            self.index_watch = None
         for w in reversed(self.workers):
             w.stop(timeout=15)
         self.workers.clear()
@@ -211,14 +228,17 @@ class Stack:
         # What it pointed at is gone; a later `submit` must not chase it.
         (self.settings.data_dir / "runtime.env").unlink(missing_ok=True)
 
-    def status_rows(self) -> list[tuple[str, str, str, str, str, str]]:
-        """(component, address, state, uptime, restarts, memory) for the status table."""
+    def status_rows(self) -> list[tuple[str, str, str, str, str, str, str]]:
+        """(component, address, state, uptime, restarts, memory, index) for the status
+        table; index: the Conductor's view of the worker's store node's KV index."""
         rows = [
-            ("nats", self.nats_url, "embedded" if self.nats else "external", "", "", ""),
+            ("nats", self.nats_url, "embedded" if self.nats else "external", "", "", "", ""),
             ("postgres", self.database_url, "embedded" if self.postgres else "external", "",
-             "", ""),
+             "", "", ""),
         ]  # fmt: skip
         now = time.monotonic()
+        latest = self.index_watch.latest() if self.index_watch is not None else None
+        index = index_cells(latest[0], now - latest[1]) if latest is not None else {}
         for w in self.workers:
             state = "running" if w.running else f"exited {w.proc.returncode if w.proc else '?'}"
             where = f"pid {w.proc.pid if w.proc else '-'}"
@@ -235,9 +255,23 @@ class Stack:
                     _duration(now - w.started_at),
                     str(w.restarts),
                     f"{rss:.0f} MiB" if rss is not None else "-",
+                    # A worker's store node is named as the worker (its instance id).
+                    index.get(w.name, "-"),
                 )
             )
         return rows
+
+
+def index_cells(report: KvIndexReport, age_s: float) -> dict[str, str]:
+    """Store node id -> "exact 3m02s" (its state, and for how long), from the Conductor's
+    report received `age_s` ago; nothing when that is too old to stand for now. Durations
+    are the Conductor's own clock differences, so the two machines' clocks need not agree."""
+    if age_s > INDEX_STALE_S:
+        return {}
+    return {
+        n.node_id: f"{n.state.value} {_duration(max(0.0, report.at - n.since + age_s))}"
+        for n in report.nodes
+    }
 
 
 def other_system(settings: Settings, nats_url: str) -> str | None:
@@ -288,7 +322,7 @@ def running_up(runtime_env: Path) -> int | None:
 
 def status_table(stack: Stack, title: str = "mooncake") -> Table:
     table = Table(title=title)
-    for col in ("component", "address", "state", "up", "restarts", "memory"):
+    for col in ("component", "address", "state", "up", "restarts", "memory", "index"):
         # Addresses are folded onto more lines, never cut: they are there to be copied.
         table.add_column(col, overflow="fold" if col == "address" else "ellipsis")
     for row in stack.status_rows():

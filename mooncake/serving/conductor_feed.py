@@ -12,6 +12,9 @@ the recorder's job):
 - lifecycle events of admitted requests (`mc.req.*`, a core subscription): the facts that
   move a request through the view's queues (`PrefillStarted`, `PrefillFinished`, ...).
 
+It also answers `mc.kv.index.state` (request/reply): the state of every KV index it follows
+and since when (`index_report`; `mooncake up`'s status table asks).
+
 `Liveness`, `lifecycle_fact` are pure (time is an argument); `LiveFeed` does the I/O.
 """
 
@@ -21,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,6 +36,7 @@ from pydantic import ValidationError
 from mooncake import events as ev
 from mooncake import metrics
 from mooncake.core import cluster as cl
+from mooncake.store import protocol as sp
 from mooncake.store.kv_follow import KvIndexSubscriber
 from mooncake.store.kv_index import IndexState, KvIndexFollower
 from mooncake.work import LoadReport, WorkSubjects
@@ -133,6 +137,22 @@ def lifecycle_fact(event: ev.Event) -> cl.Fact | None:
     return None
 
 
+States = Mapping[str, tuple[IndexState, float]]  # node -> (state, since: unix seconds)
+
+
+def index_report(nodes: States, engines: States, at: float) -> sp.KvIndexReport:
+    """What the Conductor answers on `mc.kv.index.state` (`KvIndexSubscriber.states` of
+    the store nodes and of the engines, as of `at`)."""
+
+    def wire(states: States) -> list[sp.KvIndexNodeState]:
+        return [
+            sp.KvIndexNodeState(node_id=n, state=state, since=since)
+            for n, (state, since) in sorted(states.items())
+        ]
+
+    return sp.KvIndexReport(at=at, nodes=wire(nodes), engines=wire(engines))
+
+
 OnDead = Callable[[Member], Awaitable[None]]
 OnFact = Callable[[cl.Fact], None]
 
@@ -169,11 +189,11 @@ class LiveFeed:
         if isinstance(fact, cl.NodeLost):
             # The node's blocks go, and so does its KV event stream: its next life (or a
             # node that only looked dead) is re-read from a snapshot, not from deltas.
-            self.follower.drop_node(fact.node)
+            self.kv.drop_node(fact.node)
             self._index_state()
         else:
             if isinstance(fact, cl.InstanceLeft):  # its engine tier dies with it
-                self.engine_follower.drop_node(fact.instance)
+                self.engine_kv.drop_node(fact.instance)
                 self._index_state()
             self.view.apply(fact, self._clock())
         if self._on_fact is not None:
@@ -199,6 +219,8 @@ class LiveFeed:
         )
         for subject in self._subject_type:
             self._subs.append(await self.nc.subscribe(subject, cb=self._on_lifecycle))
+        asks = self.kv.subjects.kv_index_state()
+        self._subs.append(await self.nc.subscribe(asks, cb=self._on_index_ask))
         await self.nc.flush()
         self._ticker = asyncio.create_task(self._tick())
 
@@ -223,6 +245,13 @@ class LiveFeed:
             self.apply(fact)
         metrics.INSTANCE_QUEUE_DEPTH.labels(r.instance, r.role).set(r.queued)
         metrics.INSTANCE_RUNNING.labels(r.instance, r.role).set(r.running)
+
+    async def _on_index_ask(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        report = index_report(self.kv.states, self.engine_kv.states, time.time())
+        with contextlib.suppress(Exception):  # the asker may be gone: best effort
+            await msg.respond(report.model_dump_json().encode())
 
     async def _on_lifecycle(self, msg: Msg) -> None:
         event = ev.parse_event(msg.data, subject=self.ns.canonical(msg.subject))

@@ -10,6 +10,8 @@ Subjects (canonical, namespaced like everything else, see `subjects`):
 - `mc.store.node.<node>.changes`: the master tells a node which objects its segments hold now
   (per-node sequence numbers; a gap makes the node fetch `node_objects`);
 - `mc.kv.events.<node>` / `mc.kv.snapshot.<node>`: a node's KV index events and snapshots.
+- `mc.kv.index.state`: the Conductor's view of every node's KV index (exact, resyncing,
+  degraded, since when), for `mooncake up`'s status table and benches.
 
 Every op is a batch (`keys` / `items`); the single forms are batches of one.
 """
@@ -247,6 +249,23 @@ class KvSnapshotWire(Wire):
     ssd: list[Key] = []  # of `keys`, those held only on SSD
 
 
+class KvIndexNodeState(Wire):
+    """One node's KV index as the Conductor follows it: its state, and since when."""
+
+    node_id: NodeId
+    state: IndexState
+    since: float  # unix seconds (the Conductor's clock) when it entered `state`
+
+
+class KvIndexReport(Wire):
+    """The Conductor's answer on `mc.kv.index.state`: every KV index it follows, store
+    nodes (their pools) and engines (each instance's own pool), as of `at`."""
+
+    at: float  # unix seconds (the Conductor's clock): age in a state = at - since
+    nodes: list[KvIndexNodeState] = []
+    engines: list[KvIndexNodeState] = []
+
+
 class Subjects:
     """Namespaced subjects of the store."""
 
@@ -274,3 +293,7 @@ class Subjects:
 
     def engine_kv_snapshot(self, instance: str) -> str:
         return self.ns.subject(f"mc.kv.engine.{instance}.snapshot")
+
+    def kv_index_state(self) -> str:
+        """The Conductor answers what it knows of every node's KV index (`KvIndexReport`)."""
+        return self.ns.subject("mc.kv.index.state")

@@ -599,6 +599,22 @@ async def test_engine_tiers_and_preemptions_under_the_role_permissions(
             await nc.close()
 
 
+async def test_the_conductor_answers_its_kv_index_states(broker: str, admin: NATS) -> None:
+    """The Conductor serves `mc.kv.index.state` (its live feed); admin (`mooncake up`) asks."""
+    conductor = await as_role(broker, "conductor")
+    try:
+
+        async def answer(msg: Msg) -> None:
+            await msg.respond(b'{"at": 0}')
+
+        await conductor.subscribe(STORE.kv_index_state(), cb=answer)
+        await conductor.flush()
+        assert (await admin.request(STORE.kv_index_state(), b"", timeout=3)).data
+        assert conductor.last_error is None
+    finally:
+        await conductor.close()
+
+
 async def wait_for_true(check: Callable[[], bool], within_s: float = 3.0) -> None:
     deadline = time.monotonic() + within_s
     while not check():
