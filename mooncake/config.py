@@ -33,6 +33,13 @@ class SLO(BaseModel):
     ttft_s: Annotated[float, Field(gt=0)] = 30.0
     tbt_s: Annotated[float, Field(gt=0)] = 0.1
 
+    def met_by(self, ttft_s: float | None, tbt_s: float | None) -> bool:
+        """A completed request within both (a one-token answer has no TBT to judge; one
+        with no TTFT measured is not known to be within)."""
+        if ttft_s is None or ttft_s > self.ttft_s:
+            return False
+        return tbt_s is None or tbt_s <= self.tbt_s
+
 
 class BusSettings(BaseModel):
     """JetStream stream and consumer tuning."""
@@ -288,6 +295,9 @@ class Settings(BaseSettings):
     # Prometheus /metrics per worker process: 0 picks a free port, -1 disables it.
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
+    # Tenants with a label of their own in the per-tenant metrics, besides those named in
+    # `conductor.tenant_weights` (the first seen; the rest are "_other": `metrics.TenantLabels`).
+    metrics_tenants: Annotated[int, Field(ge=0)] = 32
 
     recorder_batch: Annotated[int, Field(ge=1, le=10_000)] = 1000
     log_level: str = "INFO"

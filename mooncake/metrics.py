@@ -3,7 +3,7 @@ against this registry)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
@@ -91,6 +91,32 @@ TOKENS_GENERATED = Counter(
     "mc_tokens_generated_total",
     "Output tokens generated, by stage (prefill samples the first, decode the rest)",
     ["stage"],
+)
+
+# --- tenants (the recorder: each request counted once, when its terminal event is recorded) ---
+# Tenant labels are capped (`TenantLabels`): tenant ids come from clients.
+TENANT_REQUESTS_ENDED = Counter(
+    "mc_tenant_requests_ended_total",
+    "Requests that ended, by tenant and outcome (completed, failed, cancelled, rejected)",
+    ["tenant", "outcome"],
+)
+TENANT_GOODPUT = Counter(
+    "mc_tenant_goodput_total",
+    "Requests completed within both SLOs (TTFT and TBT, the recorder's settings), by tenant: "
+    "over mc_tenant_requests_ended_total, the tenant's goodput ratio",
+    ["tenant"],
+)
+TENANT_PROMPT_TOKENS = Counter(
+    "mc_tenant_prompt_tokens_total",
+    "Prompt tokens of the ended requests that were prefilled, by tenant (the hit rate's "
+    "denominator)",
+    ["tenant"],
+)
+TENANT_CACHED_TOKENS = Counter(
+    "mc_tenant_cached_tokens_total",
+    "Of those prompt tokens, the ones whose KV a prefill loaded from the store (cached "
+    "prefix), by tenant",
+    ["tenant"],
 )
 
 # --- the Conductor's view of the instances (from their load reports) -------------------------
@@ -230,6 +256,32 @@ GATEWAY_REQUEST_SECONDS = Histogram(
 GATEWAY_IN_FLIGHT = Gauge(
     "mc_gateway_requests_in_flight", "HTTP requests the gateway is answering now", ["route"]
 )
+
+
+OTHER_TENANTS = "_other"  # every tenant past the cap, together
+UNKNOWN_TENANT = "_unknown"  # a request rejected before its submission was readable
+
+
+class TenantLabels:
+    """The `tenant` label of a tenant's metrics. Tenant ids come from clients (an OpenAI
+    `user` digest): one series per id would let them grow the scrape without bound. The
+    tenants named in the configuration and the first `limit` others seen get a label of
+    their own; the rest share `_other`."""
+
+    def __init__(self, named: Iterable[str], limit: int) -> None:
+        self._named = frozenset(named)
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def label(self, tenant: str | None) -> str:
+        if tenant is None:
+            return UNKNOWN_TENANT
+        if tenant in self._named or tenant in self._seen:
+            return tenant
+        if len(self._seen) < self._limit:
+            self._seen.add(tenant)
+            return tenant
+        return OTHER_TENANTS
 
 
 class Scoped:

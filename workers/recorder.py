@@ -9,6 +9,10 @@ the poison event, which is dead-lettered.
 
 Run one recorder per deployment (a second one is a hot standby on the same durable
 consumers; projections stay correct because they are folded in stream order).
+
+The per-tenant metrics (`mc_tenant_*`) are counted here: a request's end is recorded in
+exactly one committed batch, with its tenant, TTFT, TBT and prompt and cached tokens in its
+row, so each request counts once, whichever process ended it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -34,8 +38,9 @@ from mooncake.bus.consume import (
     PullConsumer,
     Retry,
 )
-from mooncake.config import Settings
+from mooncake.config import SLO, Settings
 from mooncake.db.engine import async_engine
+from mooncake.db.projections import Row
 from mooncake.db.record import (
     NUL_ON_THE_WIRE,
     DeadLetterIn,
@@ -62,14 +67,34 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
+def observe_ended(rows: Iterable[Row], slo: SLO, tenants: metrics.TenantLabels) -> None:
+    """The per-tenant metrics of requests that ended (their `requests` rows)."""
+    for row in rows:
+        tenant = tenants.label(row["tenant"])
+        metrics.TENANT_REQUESTS_ENDED.labels(tenant, row["status"]).inc()
+        if row["status"] == "completed" and slo.met_by(row["ttft_s"], row["tbt_s"]):
+            metrics.TENANT_GOODPUT.labels(tenant).inc()
+        if row["prompt_tokens"]:  # prefilled (a rejection never was)
+            metrics.TENANT_PROMPT_TOKENS.labels(tenant).inc(row["prompt_tokens"])
+            metrics.TENANT_CACHED_TOKENS.labels(tenant).inc(row["cached_tokens"])
+
+
 class Recorder:
     def __init__(
-        self, engine: AsyncEngine, ns: ev.Namespace, stop: asyncio.Event, max_bytes: int
+        self,
+        engine: AsyncEngine,
+        ns: ev.Namespace,
+        stop: asyncio.Event,
+        max_bytes: int,
+        *,
+        slo: SLO,
+        tenants: metrics.TenantLabels,
     ) -> None:
         self._engine = engine
         self._ns = ns
         self._stop = stop
         self._max_bytes = max_bytes
+        self._slo, self._tenants = slo, tenants
 
     async def _with_db_retry(
         self, deliveries: Sequence[Delivery], work: Callable[[], Awaitable[T]]
@@ -133,6 +158,7 @@ class Recorder:
         metrics.RECORDER_EVENTS.labels("inserted").inc(result.inserted)
         metrics.RECORDER_EVENTS.labels("duplicate").inc(result.duplicates)
         metrics.RECORDER_ILLEGAL.inc(result.illegal)
+        observe_ended(result.ended, self._slo, self._tenants)
         newest = max(i.event.occurred_at for i in items)
         metrics.RECORDER_LAG_SECONDS.set((datetime.now(UTC) - newest).total_seconds())
         return True
@@ -164,8 +190,10 @@ def _dead_letter_in(d: Delivery) -> DeadLetterIn:
 
 
 async def run(ctx: WorkerContext, engine: AsyncEngine) -> None:
-    recorder = Recorder(engine, ctx.ns, ctx.stop, ctx.settings.bus.max_event_bytes)
-    bus, batch = ctx.settings.bus, ctx.settings.recorder_batch
+    s = ctx.settings
+    tenants = metrics.TenantLabels(s.conductor.tenant_weights, s.metrics_tenants)
+    recorder = Recorder(engine, ctx.ns, ctx.stop, s.bus.max_event_bytes, slo=s.slo, tenants=tenants)
+    bus, batch = s.bus, s.recorder_batch
     consumers = [
         (PullConsumer(ctx.nc, ctx.js, spec, bus, ctx.ns, batch=batch), recorder.handle_events)
         for spec in EVENT_CONSUMERS

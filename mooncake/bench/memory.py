@@ -311,8 +311,7 @@ def request_figures(
 
 def within_slo(completed: dict[str, Any], slo: SLO) -> bool:
     """A completed request's TTFT and TBT within the SLO (a one-token answer has no TBT)."""
-    ttft, tbt = completed.get("ttft_s"), completed.get("tbt_s")
-    return ttft is not None and ttft <= slo.ttft_s and (tbt is None or tbt <= slo.tbt_s)
+    return slo.met_by(completed.get("ttft_s"), completed.get("tbt_s"))
 
 
 def role_figures(

@@ -26,6 +26,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from mooncake import events as ev
+from mooncake.core.lifecycle import TERMINAL, Status
 from mooncake.db import projections as proj
 from mooncake.db.models import DeadLetterRow, EventRow, InstanceRow, KvObjectRow, RequestRow
 
@@ -55,6 +56,9 @@ class RecordResult:
     inserted: int
     duplicates: int
     illegal: int
+    # `requests` rows this batch moved into a terminal state: each request's end appears
+    # in exactly one committed batch (the per-tenant metrics count it there).
+    ended: tuple[proj.Row, ...] = ()
 
 
 # Multi-row statements send one array per column, in binary (no per-element quoting), and
@@ -164,8 +168,8 @@ async def record_events(conn: AsyncConnection, batch: Sequence[Incoming]) -> Rec
                     reused[id(r)][0], _entity(r), r.stream, r.seq, r.event.event_id,
                 )  # fmt: skip
                 new.append(r)
-    illegal = await _update_projections(conn, new)
-    return RecordResult(len(new), len(batch) - len(new), illegal)
+    illegal, ended = await _update_projections(conn, new)
+    return RecordResult(len(new), len(batch) - len(new), illegal, tuple(ended))
 
 
 # A JSON escape of U+0000 (not an escaped backslash followed by "u0000").
@@ -225,7 +229,11 @@ async def _entities_of(conn: AsyncConnection, event_ids: list[str]) -> dict[str,
     return {event_id: entity for event_id, entity in rows}
 
 
-async def _update_projections(conn: AsyncConnection, new: list[Incoming]) -> int:
+async def _update_projections(
+    conn: AsyncConnection, new: list[Incoming]
+) -> tuple[int, list[proj.Row]]:
+    """Fold the new events into their rows: the illegal transitions, and the requests
+    that ended here."""
     by_entity: dict[str, list[proj.SeqEvent]] = defaultdict(list)
     for i in new:
         by_entity[proj.entity_of(i.event)].append((i.seq, i.event))
@@ -233,7 +241,7 @@ async def _update_projections(conn: AsyncConnection, new: list[Incoming]) -> int
     for entity in by_entity:
         by_table[proj.table_of(entity)].append(entity)
     logged = await _logged_counts(conn, list(by_entity))
-    illegal = 0
+    illegal, ended = 0, []
     for table_name in sorted(by_table):  # a fixed lock order across transactions
         entities = sorted(by_table[table_name])
         table = TABLES[table_name]
@@ -251,13 +259,19 @@ async def _update_projections(conn: AsyncConnection, new: list[Incoming]) -> int
             if table_name == "requests":
                 before = old["illegal_events"] if old else 0
                 illegal += (new_row["illegal_events"] if new_row else len(items)) - before
+                if new_row is not None and _terminal(new_row) and not _terminal(old):
+                    ended.append(new_row)
             if new_row is None:
                 if old is not None:
                     deletes.append(key)
             else:
                 upserts.append(new_row)
         await _write(conn, table, upserts, deletes)
-    return illegal
+    return illegal, ended
+
+
+def _terminal(row: proj.Row | None) -> bool:
+    return row is not None and Status(row["status"]) in TERMINAL
 
 
 def _continues(old: dict | None, items: list[proj.SeqEvent], logged: int) -> bool:  # type: ignore[type-arg]

@@ -117,6 +117,36 @@ async def test_an_event_id_reused_for_another_request_is_recorded_once_per_reque
     assert await verify(engine) == []
 
 
+async def test_each_end_is_reported_by_exactly_one_recorded_batch(engine: AsyncEngine) -> None:
+    """`RecordResult.ended` (what the per-tenant metrics count): a request's row in the batch
+    that moved it into a terminal state, also when that batch closed a gap (the row folded
+    again from the log); never again for a redelivery or a fact after the end."""
+    a = _lifecycle("a", 1)
+    done = ev.RequestCompleted(
+        request_id="a", output_tokens=2, ttft_s=0.5, tbt_s=0.01,
+        occurred_at=T0 + timedelta(seconds=4),
+    )  # fmt: skip
+    stopped = ev.DecodeStopped(request_id="a", instance="d0", reason="client", output_tokens=2)
+    rejected = ev.RequestRejected(request_id="r", reason=ev.RejectReason.TENANT_QUOTA)
+    end = Incoming(done, "MC_REQ", 5, done.SUBJECT)
+    after = Incoming(stopped, "MC_REQ", 6, stopped.SUBJECT)
+    batches = [
+        [a[0], a[1], end],  # the end before its prefill: not applicable yet
+        [a[2], a[3], Incoming(rejected, "MC_REQ", 7, rejected.SUBJECT)],  # the gap closes
+        [end, a[0]],  # redeliveries
+        [after],  # a fact after the end
+    ]
+    ended = []
+    for batch in batches:
+        async with engine.begin() as conn:
+            ended.append((await record_events(conn, batch)).ended)
+    closed = [("a", "completed"), ("r", "rejected")]
+    assert [[(r["request_id"], r["status"]) for r in e] for e in ended] == [[], closed, [], []]
+    row = ended[1][0]
+    got = (row["tenant"], row["ttft_s"], row["prompt_tokens"], row["cached_tokens"])
+    assert got == (ev.DEFAULT_TENANT, 0.5, 3, 2)
+
+
 def _scripted() -> list[ev.Event]:
     """A history touching every branch of the request fold, with its timestamps."""
 
