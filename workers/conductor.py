@@ -72,6 +72,7 @@ from mooncake.serving.conductor_terminal import (
 )
 from mooncake.serving.ending import Ender, reply
 from mooncake.serving.token_readback import TokenReadBack
+from mooncake.store.kv_index import IndexState
 from mooncake.telemetry import inject_headers
 from mooncake.work import PrefillWork, WorkSubjects
 from workers.runtime import WorkerContext, configure_logging, worker_context
@@ -559,6 +560,13 @@ class Conductor:
             "kv_index": {
                 "unsure_nodes": sorted(self.view.unsure_nodes),
                 "unsure_instances": sorted(self.view.unsure_instances),
+                # ... and the state each of those was in (resyncing, degraded).
+                "states": {
+                    n: state.value
+                    for subscriber in (self.feed.kv, self.feed.engine_kv)
+                    for n, (state, _) in subscriber.states.items()
+                    if state is not IndexState.EXACT
+                },
             },
         }
 

@@ -783,3 +783,22 @@ async def test_the_cost_model_follows_the_prefill_times_the_workers_report(
         assert state["cost_prefill_fitted"] == 1.0 and state["cost_prefill_refits"] >= 1
         assert state["cost_prefill_observed"] == 10
         assert metrics.COST_MODEL_REFITS.labels("prefill")._value.get() > refits
+
+
+async def test_a_decision_records_which_kv_indexes_it_read_as_not_exact(
+    nats_url: str, namespace: str
+) -> None:
+    """A node whose KV index resyncs: the decision says so (its blocks counted as unknown)."""
+    from mooncake.store.kv_index import IndexState
+
+    s = live_settings(nats_url, namespace)
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        conductor.feed.kv.states["n1"] = (IndexState.RESYNCING, 0.0)
+        conductor.view.unsure_nodes = frozenset({"n1"})
+        await cl.submit("r-unsure", token_ids=tokens(100))
+        out = await cl.outcome("r-unsure")
+        assert out["inputs"]["kv_index"]["unsure_nodes"] == ["n1"], out["inputs"]
+        assert out["inputs"]["kv_index"]["states"] == {"n1": "resyncing"}
+        assert out["inputs"]["ssd_prefix_blocks"] == 0
