@@ -63,6 +63,17 @@ class BusSettings(BaseModel):
     max_event_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
 
 
+class NamespaceQuota(BaseModel):
+    """Caps on the store bytes of one cache namespace (`hashing.cache_namespace`: "tenant:<t>"
+    or "shared:<name>"), per tier; None: no cap. A put that would go over first evicts the
+    namespace's own least recently used objects, and only then is refused (reason "quota")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dram_bytes: Annotated[ByteSize, Field(ge=0)] | None = None  # e.g. 1073741824 or "1GiB"
+    ssd_bytes: Annotated[ByteSize, Field(ge=0)] | None = None
+
+
 class StoreSettings(BaseModel):
     """The KV block pool: master policy, node memory, transports (Mooncake Store semantics)."""
 
@@ -90,6 +101,11 @@ class StoreSettings(BaseModel):
     heartbeat_s: Annotated[float, Field(gt=0)] = 1.0
     node_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    # Per cache namespace (MOONCAKE_STORE__NAMESPACE_QUOTAS='{"tenant:team-a":
+    # {"dram_bytes": "1GiB", "ssd_bytes": "8GiB"}}');
+    # `default_namespace_quota` caps each namespace not named (None: unlimited).
+    namespace_quotas: dict[Annotated[str, Field(min_length=1, max_length=128)], NamespaceQuota] = {}
+    default_namespace_quota: NamespaceQuota | None = None
 
 
 class DummyModel(BaseModel):

@@ -237,6 +237,12 @@ STORE_CAPACITY_BYTES = Gauge(
     "mc_store_capacity_bytes", "Bytes mounted in the pool, by tier", ["tier"]
 )
 STORE_OBJECTS = Gauge("mc_store_objects", "Objects known to the store master")
+# Namespaces come from clients: labels capped like tenants' (`TenantLabels`).
+STORE_NAMESPACE_BYTES = Gauge(
+    "mc_store_namespace_bytes",
+    "Store bytes charged to each cache namespace (what its quota caps), by tier",
+    ["namespace", "tier"],
+)
 STORE_EVICTIONS = Counter(
     "mc_store_evictions_total", "Objects removed by the master, by reason", ["reason"]
 )

@@ -371,8 +371,9 @@ class PrefillWorker:
         async def copy() -> None:
             try:
                 placed = await replicate_blocks(
-                    self.store.client, kv, keys, block, self.store.dram_segment
-                )
+                    self.store.client, kv, keys, block, self.store.dram_segment,
+                    namespace=done.namespace,
+                )  # fmt: skip
                 log.debug("replicated %d of %d remote blocks", placed, len(keys))
             except Exception as exc:
                 log.warning("hot-block replication failed: %s", exc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from mooncake import metrics
 from mooncake.config import Settings
 from mooncake.store.master import StoreMaster, new_state
 from workers.runtime import configure_logging, worker_context
@@ -15,7 +16,11 @@ log = logging.getLogger("mooncake.store.master")
 
 async def main(settings: Settings, instance_id: str | None = None) -> None:
     async with worker_context(settings, "store_master", instance_id) as ctx:
-        master = StoreMaster(ctx.nc, ctx.ns, new_state(settings.store), publisher=ctx.publisher)
+        labels = metrics.TenantLabels(settings.store.namespace_quotas, settings.metrics_tenants)
+        master = StoreMaster(
+            ctx.nc, ctx.ns, new_state(settings.store), publisher=ctx.publisher,
+            namespace_labels=labels,
+        )  # fmt: skip
         await master.start()
         try:
             await ctx.stop.wait()

@@ -80,6 +80,15 @@ class _Hooks:
         self._check()
 
 
+@dataclass(frozen=True)
+class _Dest:
+    """Where a prefill's objects go: the segment it prefers, and the cache namespace they
+    are keyed in, which owns them in the store (its quota counts them)."""
+
+    segment: str | None
+    owner: str
+
+
 @dataclass
 class StoredPrefill:
     """A prefill whose KV is in the store: every whole block under its chained key, the
@@ -97,6 +106,7 @@ class StoredPrefill:
     written_at: dict[int, float] = field(default_factory=dict)
     loaded_at: list[float] = field(default_factory=list)
     loaded_from: dict[str, int] = field(default_factory=dict)  # tier -> loaded blocks
+    namespace: str = DEFAULT_CACHE_NAMESPACE  # its blocks' cache namespace (their owner)
 
     def release(self) -> None:
         """Give the prompt's pages back to the pool (its published blocks stay cached)."""
@@ -124,7 +134,8 @@ async def prefill_with_store(
 ) -> StoredPrefill:
     """Prefill `tokens`, loading up to `cached_blocks` leading blocks from the store and
     writing every other block (and the tail) to it while computing; its blocks are keyed in
-    the request's cache `namespace` (`hashing.cache_namespace`).
+    the request's cache `namespace` (`hashing.cache_namespace`), which owns them in the store
+    (its quota counts them).
 
     Raises EngineError (bad input: before any store I/O), PrefillCancelled (`cancelled` was
     set: the put is revoked), StoreError/KvWriteError (transient). A cached prefix that cannot
@@ -133,16 +144,15 @@ async def prefill_with_store(
     tokens = [int(t) for t in tokens]
     engine.check_tokens(tokens)
     keys = engine.block_keys(tokens, namespace)
+    dest = _Dest(preferred_segment, namespace)
     try:
         return await _prefill_once(
-            engine, store, tokens, keys, cached_blocks, tail_key, preferred_segment, cancelled
+            engine, store, tokens, keys, cached_blocks, tail_key, dest, cancelled
         )
     except PrefixLoadError as exc:
         log.warning("cached prefix unusable (%s): recomputing it", exc)
         # -1: load nothing, compute the whole prompt.
-        done = await _prefill_once(
-            engine, store, tokens, keys, -1, tail_key, preferred_segment, cancelled
-        )
+        done = await _prefill_once(engine, store, tokens, keys, -1, tail_key, dest, cancelled)
         done.load_fallback = str(exc)
         return done
 
@@ -164,7 +174,7 @@ async def _prefill_once(
     keys: list[str],
     cached_blocks: int,
     tail_key: str,
-    preferred_segment: str | None,
+    dest: _Dest,
     cancelled: threading.Event,
 ) -> StoredPrefill:
     layout, size_t = engine.layout, engine.block_tokens
@@ -183,7 +193,7 @@ async def _prefill_once(
         kv.length = n * size_t  # filled layer by layer by the loader, before each layer reads it
         done = await _compute_and_store(
             engine, store, kv, tokens, keys, (pooled, in_store, n), handle,
-            tail_key, preferred_segment, cancelled,
+            tail_key, dest, cancelled,
         )  # fmt: skip
     except BaseException:
         kv.release()
@@ -201,7 +211,7 @@ async def _compute_and_store(
     counts: tuple[int, int, int],
     handle: GetHandle | None,
     tail_key: str,
-    preferred_segment: str | None,
+    dest: _Dest,
     cancelled: threading.Event,
 ) -> StoredPrefill:
     """Load blocks pooled..n-1 from the store, compute the rest, and write every block the
@@ -212,12 +222,13 @@ async def _compute_and_store(
     loaded_from = {ENGINE: pooled} if pooled else {}
     if handle is not None and n > pooled:
         loader = PrefixLoader(handle, keys[pooled:n], layout, size_t, kv, first=pooled)
-        for tier, count in loaded_tiers(handle, keys[pooled:n], preferred_segment).items():
+        for tier, count in loaded_tiers(handle, keys[pooled:n], dest.segment).items():
             loaded_from[tier] = loaded_from.get(tier, 0) + count
     targets = write_targets(keys, len(tokens), size_t, in_store, tail_key)
     put = await store.start_put(
         [(t.key, layout.object_size(t.tokens)) for t in targets],
-        preferred_segment=preferred_segment,
+        preferred_segment=dest.segment,
+        owner=dest.owner,
     )
     loop = asyncio.get_running_loop()
     writer = BlockWriter(put, layout, kv, [t for t in targets if t.key in put.keys], loop)
@@ -242,7 +253,7 @@ async def _compute_and_store(
     finally:
         for t in tasks[1:]:
             t.cancel()
-    await _ensure_stored(store, kv, targets, results, preferred_segment)
+    await _ensure_stored(store, kv, targets, results, dest)
     tail = targets[-1] if targets and targets[-1].key == tail_key else None
     return StoredPrefill(
         prefilled=prefilled, block_keys=keys, loaded_blocks=n,
@@ -251,6 +262,7 @@ async def _compute_and_store(
         written=[t.key for t in writer.targets if results.get(t.key) is None],
         computed_at=hooks.computed_at, written_at=writer.written_at,
         loaded_at=loader.loaded_at if loader is not None else [], loaded_from=loaded_from,
+        namespace=dest.owner,
     )  # fmt: skip
 
 
@@ -259,7 +271,7 @@ async def _ensure_stored(
     kv: PagedKV,
     targets: Sequence[Target],
     results: dict[str, p.Refused | None],
-    preferred_segment: str | None,
+    dest: _Dest,
 ) -> None:
     """Every target must be in the store when the prefill reports its keys.
 
@@ -278,7 +290,7 @@ async def _ensure_stored(
     for batch in _batches(again, kv.pool.shape.page_bytes // kv.pool.page_tokens):
         # A batch's objects are serialized on their way out: bounded, not the whole prompt.
         items = _objects(kv, batch)
-        refused = await store.put_many(items, preferred_segment=preferred_segment)
+        refused = await store.put_many(items, preferred_segment=dest.segment, owner=dest.owner)
         bad += [
             f"{t.key}: {r.reason.value}"
             for t, r in zip(batch, refused, strict=True)
@@ -311,10 +323,12 @@ async def replicate_blocks(
     keys: Sequence[tuple[str, int]],
     block_tokens: int,
     segment: str,
+    namespace: str = DEFAULT_CACHE_NAMESPACE,
 ) -> int:
     """Hot-block replication (PAPER.md §3): put copies of blocks fetched from a remote node
-    into this instance's own segment. `keys` are (key, block index). Returns how many copies
-    were placed. Best effort: a refusal is not an error.
+    into this instance's own segment. `keys` are (key, block index) in the cache `namespace`
+    (`StoredPrefill.namespace`: their owner). Returns how many copies were placed. Best
+    effort: a refusal is not an error.
 
     The master refuses a second put of a stored key (EXISTS) and has no "add a replica" op
     yet, so until it does, copies of already-stored keys are refused and counted out.
@@ -331,7 +345,7 @@ async def replicate_blocks(
     placed = 0
     for batch in _batches(todo, kv.pool.shape.page_bytes // kv.pool.page_tokens):
         items = await asyncio.to_thread(_objects, kv, batch)
-        refused = await store.put_many(items, preferred_segment=segment)
+        refused = await store.put_many(items, preferred_segment=segment, owner=namespace)
         placed += sum(r is None for r in refused)
     return placed
 

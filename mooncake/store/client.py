@@ -51,6 +51,28 @@ class ClientConfig:
     retry_later_s: float = 2.0
 
 
+@dataclass(frozen=True)
+class _PutOptions:
+    """What every item of one put asks of the master (`protocol.PutItem` less key and size)."""
+
+    replicas: int = 1
+    pin: Pin = Pin.NONE
+    preferred_segment: str | None = None
+    placement: Placement = Placement.MOST_FREE
+    owner: str | None = None
+
+    def item(self, key: str, size: int) -> p.PutItem:
+        return p.PutItem(
+            key=key,
+            size=size,
+            replicas=self.replicas,
+            pin=self.pin,
+            preferred_segment=self.preferred_segment,
+            placement=self.placement,
+            owner=self.owner,
+        )
+
+
 @dataclass
 class _Op:
     index: int
@@ -189,20 +211,23 @@ class StoreClient:
         pin: Pin = Pin.NONE,
         preferred_segment: str | None = None,
         placement: Placement = Placement.MOST_FREE,
+        owner: str | None = None,
     ) -> list[p.Refused | None]:
         """Store each (key, buffer); None = stored, else why not. Buffers are read in place
-        (bytes, bytearray, memoryview, numpy array, CPU torch tensor), never copied."""
+        (bytes, bytearray, memoryview, numpy array, CPU torch tensor), never copied.
+        `owner`: the cache namespace whose quota the objects count against (None: the default
+        tenant's); a full quota whose owner's own objects cannot make room refuses with
+        `Reason.QUOTA`."""
         if not items:
             return []
+        opts = _PutOptions(replicas, pin, preferred_segment, placement, owner)
         bufs = [as_memoryview(data, writable=False) for _, data in items]
         results: list[p.Refused | None] = [None] * len(items)
         todo = list(range(len(items)))
         deadline = time.monotonic() + self.config.retry_later_s
         delay = 0.005
         while todo:
-            retry = await self._put_round(
-                items, bufs, todo, results, replicas, pin, preferred_segment, placement
-            )
+            retry = await self._put_round(items, bufs, todo, results, opts)
             if not retry or time.monotonic() > deadline:
                 break
             await asyncio.sleep(delay)
@@ -219,24 +244,9 @@ class StoreClient:
         bufs: list[memoryview],
         todo: list[int],
         results: list[p.Refused | None],
-        replicas: int,
-        pin: Pin,
-        preferred_segment: str | None,
-        placement: Placement,
+        opts: _PutOptions,
     ) -> list[int]:
-        req = p.PutStartRequest(
-            items=[
-                p.PutItem(
-                    key=items[i][0],
-                    size=len(bufs[i]),
-                    replicas=replicas,
-                    pin=pin,
-                    preferred_segment=preferred_segment,
-                    placement=placement,
-                )
-                for i in todo
-            ]
-        )
+        req = p.PutStartRequest(items=[opts.item(items[i][0], len(bufs[i])) for i in todo])
         started = await self._call("put_start", req, p.PutStartReply)
         ops: list[_Op] = []
         op_item: list[int] = []
@@ -338,21 +348,17 @@ class StoreClient:
         replicas: int = 1,
         pin: Pin = Pin.NONE,
         preferred_segment: str | None = None,
+        owner: str | None = None,
     ) -> PutHandle:
         """Allocate (key, size) objects to be written piece by piece (see `PutHandle`).
-        Keys the master refused (already stored, no space) are in `handle.refused`."""
+        Keys the master refused (already stored, no space, quota) are in `handle.refused`;
+        `owner` as `put_many` takes it."""
         routes: dict[str, list[list[tuple[str, str, Region]]]] = {}
         refused: dict[str, p.Refused] = {}
         if not items:
             return PutHandle(self, routes, refused)
-        req = p.PutStartRequest(
-            items=[
-                p.PutItem(
-                    key=k, size=n, replicas=replicas, pin=pin, preferred_segment=preferred_segment
-                )
-                for k, n in items
-            ]
-        )
+        opts = _PutOptions(replicas, pin, preferred_segment, owner=owner)
+        req = p.PutStartRequest(items=[opts.item(k, n) for k, n in items])
         started = await self._call("put_start", req, p.PutStartReply)
         for (key, _), res in zip(items, started.results, strict=True):
             if isinstance(res, p.Refused):

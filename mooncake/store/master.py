@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from mooncake import events as ev
 from mooncake import metrics
 from mooncake.bus.publish import Publisher
-from mooncake.config import StoreSettings
+from mooncake.config import NamespaceQuota, StoreSettings
 from mooncake.store import master_state as ms
 from mooncake.store import protocol as p
 from mooncake.store.types import Reason, Replica, ReplicaState
@@ -46,13 +46,25 @@ Clock = Callable[[], float]
 
 
 def master_config(s: StoreSettings) -> ms.MasterConfig:
+    default = s.default_namespace_quota
     return ms.MasterConfig(
         lease_s=s.lease_s,
         high_watermark=s.high_watermark,
         evict_fraction=s.evict_fraction,
         put_timeout_s=s.put_timeout_s,
         node_timeout_s=s.node_timeout_s,
+        quotas={ns: _quota(q) for ns, q in s.namespace_quotas.items()},
+        default_quota=None if default is None else _quota(default),
     )
+
+
+def _quota(q: NamespaceQuota) -> ms.Quota:
+    return ms.Quota(dram_bytes=q.dram_bytes, ssd_bytes=q.ssd_bytes)
+
+
+# Namespaces with a label of their own in `mc_store_namespace_bytes`, besides those with a
+# quota (the first seen; the rest are "_other": `metrics.TenantLabels`).
+NAMESPACE_LABELS = 32
 
 
 def _refused(r: ms.Refusal) -> p.Refused:
@@ -77,8 +89,13 @@ class StoreMaster:
         tick_s: float = 0.1,
         move_timeout_s: float = 10.0,
         dispatch_delay_s: float = 0.002,
+        namespace_labels: metrics.TenantLabels | None = None,
     ) -> None:
         self.nc, self.state, self.publisher = nc, state, publisher
+        self.namespace_labels = namespace_labels or metrics.TenantLabels(
+            state.config.quotas, NAMESPACE_LABELS
+        )
+        self._namespace_series: set[tuple[str, str]] = set()
         self.subjects = p.Subjects(ns)
         self.clock, self.tick_s, self.move_timeout_s = clock, tick_s, move_timeout_s
         self.dispatch_delay_s = dispatch_delay_s
@@ -201,7 +218,10 @@ class StoreMaster:
                 refused=[p.Refused(reason=Reason.INVALID, detail="segment of another node")]
             )
         objects = [
-            ms.ReportedObject(o.key, o.segment_id, o.offset, o.size, o.pin) for o in req.objects
+            ms.ReportedObject(
+                o.key, o.segment_id, o.offset, o.size, o.pin, o.owner or ms.DEFAULT_OWNER
+            )
+            for o in req.objects
         ]
         res = self.state.restore(req.node_id, [s.info() for s in req.segments], objects, now)
         if isinstance(res, ms.Refusal):
@@ -236,6 +256,7 @@ class StoreMaster:
                 preferred_segment=it.preferred_segment,
                 pin=it.pin,
                 placement=it.placement,
+                owner=it.owner or ms.DEFAULT_OWNER,
             )
             if isinstance(res, ms.Refusal):
                 results.append(_refused(res).model_dump(mode="json"))
@@ -294,8 +315,10 @@ class StoreMaster:
     def _node_objects(self, data: bytes) -> p.NodeObjects:
         req = p.NodeObjectsRequest.model_validate_json(data)
         held = [
-            p.HeldObject(key=k, segment_id=r.segment_id, offset=r.offset, size=r.size, pin=pin)
-            for k, r, pin in self.state.node_objects(req.node_id)
+            p.HeldObject(
+                key=k, segment_id=r.segment_id, offset=r.offset, size=r.size, pin=pin, owner=owner
+            )
+            for k, r, pin, owner in self.state.node_objects(req.node_id)
         ]
         return p.NodeObjects(seq=self._node_seq[req.node_id], objects=held)
 
@@ -314,6 +337,7 @@ class StoreMaster:
                             offset=r.offset,
                             size=r.size,
                             pin=obj.pin,
+                            owner=obj.owner,
                         )
                     )
         return p.NodeUpdate(key=key, held=held)
@@ -402,6 +426,16 @@ class StoreMaster:
             metrics.STORE_USED_BYTES.labels(tier).set(u["used"])
             metrics.STORE_CAPACITY_BYTES.labels(tier).set(u["capacity"])
         metrics.STORE_OBJECTS.set(len(self.state))
+        # Summed per label ("_other" gathers many namespaces); a series whose namespaces
+        # hold nothing any more reads 0 rather than its last value.
+        by_label = dict.fromkeys(self._namespace_series, 0)
+        for owner, tiers in self.state.usage_by_owner().items():
+            label = self.namespace_labels.label(owner)
+            for tier, n in tiers.items():
+                by_label[label, tier] = by_label.get((label, tier), 0) + n
+        for (label, tier), n in by_label.items():
+            metrics.STORE_NAMESPACE_BYTES.labels(label, tier).set(n)
+        self._namespace_series = set(by_label)
 
     async def _flush_journal(self) -> None:
         """Publish the journal in chunks (one acknowledgement each: `publish_many_barrier`),

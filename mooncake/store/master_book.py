@@ -1,11 +1,13 @@
 """The store master's book: its tables and the primitives that keep them consistent.
 
 `Book` owns every mutable table of the master state (segments, nodes, objects, puts and moves
-in flight, held ranges, the per-tier LRUs, the change list, the counters) and the operations
-that must update several of them together: allocate/free, attach/detach a replica (segment
-keys and LRUs follow), drop replicas or a whole segment, abort a put, hold a range that frees
-itself later, start/end/cancel a move. The public API (`master_state.MasterState`) and the
-eviction and tier policy (`master_tiers`) act only through it.
+in flight, held ranges, the per-tier LRUs, the owners' accounts, the change list, the
+counters) and the operations that must update several of them together: allocate/free,
+attach/detach a replica (segment keys, LRUs and the owner's bytes follow), drop replicas or a
+whole segment, abort a put, hold a range that frees itself later, start/end/cancel a move
+(the destination is charged to the owner while it is in flight). The public API
+(`master_state.MasterState`) and the eviction and tier policy (`master_tiers`) act only
+through it.
 
 PURE, like the rest of the master state; semantics: `master_state`'s module docstring.
 """
@@ -15,7 +17,16 @@ from __future__ import annotations
 from typing import Literal
 
 from mooncake.store.allocator import align_up
-from mooncake.store.master_records import _Held, _Lru, _Move, _Node, _Obj, _Segment, _tier_rank
+from mooncake.store.master_records import (
+    _Account,
+    _Held,
+    _Lru,
+    _Move,
+    _Node,
+    _Obj,
+    _Segment,
+    _tier_rank,
+)
 from mooncake.store.master_types import (
     Change,
     MasterConfig,
@@ -42,11 +53,13 @@ class Book:
         self.moving: dict[str, _Obj] = {}  # objects with a move in flight
         self.held: list[_Held] = []
         self.tier_lru = {Tier.DRAM: _Lru(), Tier.SSD: _Lru()}
+        self.accounts: dict[str, _Account] = {}  # per owner; only owners holding bytes
         self.changes: list[Change] = []
         self.stats: dict[str, int] = dict.fromkeys(
             (
                 "evicted", "offloaded", "promoted", "moves_failed", "reclaimed", "revoked",
                 "nodes_lost", "restore_adopted", "restore_rejected", "restore_dropped",
+                "quota_evicted", "quota_refused",
             ),
             0,
         )  # fmt: skip
@@ -65,14 +78,32 @@ class Book:
     def free(self, r: Replica) -> None:
         self.segments[r.segment_id].alloc.free(r.offset)
 
+    def used(self, owner: str, tier: Tier) -> int:
+        acct = self.accounts.get(owner)
+        return 0 if acct is None else acct.used[tier]
+
+    def _charge(self, owner: str, r: Replica, sign: int) -> None:
+        acct = self.accounts.get(owner)
+        if acct is None:
+            acct = self.accounts[owner] = _Account()
+        acct.used[r.tier] += sign * self.aligned(r.size)
+        if not any(acct.used.values()):  # nothing left: no LRU entry either
+            del self.accounts[owner]
+
     def attach(self, obj: _Obj, r: Replica) -> None:
         obj.replicas.append(r)
         obj.replicas.sort(key=_tier_rank)
-        seg = self.segments[r.segment_id]
-        seg.keys.add(obj.key)
+        self.segments[r.segment_id].keys.add(obj.key)
+        self._charge(obj.owner, r, +1)
         if r.state is ReplicaState.COMPLETE:
-            seg.lru.add(obj.key, obj.pin)
-            self.tier_lru[r.tier].add(obj.key, obj.pin)
+            self.listed(obj, r)
+
+    def listed(self, obj: _Obj, r: Replica) -> None:
+        """A complete replica joins the LRUs it is evicted from: its segment's, its tier's,
+        its owner's in that tier."""
+        self.segments[r.segment_id].lru.add(obj.key, obj.pin)
+        self.tier_lru[r.tier].add(obj.key, obj.pin)
+        self.accounts[obj.owner].lru[r.tier].add(obj.key, obj.pin)
 
     def detach(self, obj: _Obj, r: Replica) -> None:
         obj.replicas.remove(r)
@@ -81,6 +112,8 @@ class Book:
         seg.lru.discard(obj.key, obj.pin)
         if not any(x.tier is r.tier for x in obj.replicas):
             self.tier_lru[r.tier].discard(obj.key, obj.pin)
+            self.accounts[obj.owner].lru[r.tier].discard(obj.key, obj.pin)
+        self._charge(obj.owner, r, -1)
 
     def touch(self, obj: _Obj) -> None:
         key, pin = obj.key, obj.pin
@@ -90,8 +123,10 @@ class Book:
         for r in obj.replicas:
             self.segments[r.segment_id].lru.touch(key, pin)
             tiers.add(r.tier)
+        acct = self.accounts[obj.owner]
         for t in tiers:
             self.tier_lru[t].touch(key, pin)
+            acct.lru[t].touch(key, pin)
 
     def holders(self, obj: _Obj) -> tuple[str, ...]:
         if not obj.complete:
@@ -193,6 +228,7 @@ class Book:
         offload = src.tier is Tier.DRAM
         obj.move = _Move(src, dst, offload, now, self.segments[dst.segment_id])
         self.moving[obj.key] = obj
+        self._charge(obj.owner, dst, +1)
         if offload:  # the source frees itself once the move lands
             self.segments[src.segment_id].pending_free += self.aligned(src.size)
         self.changes.append(Move(obj.key, src, dst))
@@ -202,6 +238,7 @@ class Book:
         assert mv is not None
         obj.move = None
         del self.moving[obj.key]
+        self._charge(obj.owner, mv.dst, -1)
         if mv.offload:
             seg = self.segments.get(mv.src.segment_id)
             if seg is not None:

@@ -118,7 +118,7 @@ def _adopt(b: Book, rep: ReportedObject, now: float) -> _Obj | None:
     if not rep.key or rep.size <= 0 or not seg.alloc.reserve(rep.offset, rep.size):
         return None
     if obj is None:
-        obj = _Obj(rep.key, rep.size, rep.pin, now, [], complete=True, last_access=now)
+        obj = _Obj(rep.key, rep.size, rep.pin, now, [], rep.owner, complete=True, last_access=now)
         b.objects[rep.key] = obj
     info = seg.info
     b.attach(

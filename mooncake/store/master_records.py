@@ -85,10 +85,24 @@ class _Obj:
     pin: Pin
     started: float
     replicas: list[Replica]  # all PENDING (a put) or all COMPLETE; DRAM first
+    owner: str  # the cache namespace its bytes are accounted to
     complete: bool = False
     lease_until: float = _NEVER
     last_access: float = 0.0
     move: _Move | None = None
+
+
+class _Account:
+    """One owner's bytes per tier (aligned: its replicas, pending or complete, and its moves'
+    destinations in flight) and its objects per tier in LRU order (complete replicas; like
+    the tier LRUs, hard-pinned objects are never in them). No bytes left: no objects either,
+    and the account is dropped."""
+
+    __slots__ = ("lru", "used")
+
+    def __init__(self) -> None:
+        self.used = dict.fromkeys(Tier, 0)
+        self.lru = {t: _Lru() for t in Tier}
 
 
 @dataclass(slots=True, eq=False)

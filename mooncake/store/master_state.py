@@ -20,6 +20,15 @@ Semantics (Mooncake Store, PAPER.md §2), with the choices made here:
 - SSD tier: an object evicted from DRAM whose node has SSD room is *offloaded* (one SSD copy per
   object; its other DRAM replicas are dropped at once); its DRAM source stays readable until
   `move_done`. A hit served only from SSD starts a *promotion* back to the node's DRAM.
+- Quotas: every object is owned by the cache namespace its put names (`DEFAULT_OWNER` when
+  none), which is charged the aligned bytes of its replicas per tier, pending and complete,
+  and of its moves' destinations in flight. A DRAM allocation (a put, a promotion) or an
+  offload that would take the owner over its cap (`MasterConfig.quotas`) first evicts the
+  owner's own LRU objects in that tier, by the rules above; a put it cannot make room for is
+  refused with `QUOTA` (`RETRY_LATER` when the owner's moves in flight will), a promotion is
+  skipped, and an offload becomes a drop. Other owners' objects are never evicted for a
+  quota; the watermark and the room for an allocation are pool-wide, as without quotas.
+  Restore adopts what a node reports whatever the quotas (the bytes are there already).
 - One move per object at a time. A move whose object is removed meanwhile is "orphaned": its
   destination range stays allocated until the node reports back (or the move times out), so a
   late copy can never land in a range handed to someone else.
@@ -45,6 +54,7 @@ from mooncake.store.allocator import align_up
 from mooncake.store.master_book import Book
 from mooncake.store.master_records import _Obj, _Segment
 from mooncake.store.master_types import (
+    DEFAULT_OWNER,
     OK,
     Change,
     DropReason,
@@ -56,6 +66,7 @@ from mooncake.store.master_types import (
     ObjectView,
     Ok,
     PutPlan,
+    Quota,
     Refusal,
     RemoveReason,
     ReplicaDropped,
@@ -74,6 +85,7 @@ from mooncake.store.types import (
 )
 
 __all__ = [
+    "DEFAULT_OWNER",
     "OK",
     "Change",
     "DropReason",
@@ -86,6 +98,7 @@ __all__ = [
     "ObjectView",
     "Ok",
     "PutPlan",
+    "Quota",
     "Refusal",
     "RemoveReason",
     "ReplicaDropped",
@@ -143,6 +156,7 @@ class MasterState:
         preferred_segment: str | None = None,
         pin: Pin = Pin.NONE,
         placement: Placement = Placement.MOST_FREE,
+        owner: str = DEFAULT_OWNER,
     ) -> PutPlan | Refusal:
         if not key or size <= 0 or replicas < 1:
             return Refusal(Reason.INVALID, f"key={key!r} size={size} replicas={replicas}")
@@ -157,6 +171,9 @@ class MasterState:
         big = [s for s in dram if s.info.size >= need]
         if len(big) < replicas:
             return Refusal(Reason.NO_SPACE, f"{size} bytes fit in {len(big)} segment(s)")
+        room = master_tiers.quota_room(self._book, owner, Tier.DRAM, need * replicas, now)
+        if isinstance(room, Refusal):
+            return room
         chosen = self._choose(big, need, replicas, preferred_segment, placement)
         if chosen is None:
             master_tiers.make_room(self._book, big, need, replicas, now)
@@ -165,7 +182,7 @@ class MasterState:
             if any(s.pending_free and s.alloc.free_bytes + s.pending_free >= need for s in big):
                 return Refusal(Reason.RETRY_LATER, "room is being made: moves in flight")
             return Refusal(Reason.NO_SPACE, f"{size} bytes x {replicas} after eviction")
-        obj = _Obj(key, size, pin, now, [])
+        obj = _Obj(key, size, pin, now, [], owner)
         for seg in chosen:
             self._book.attach(obj, self._book.alloc(seg, size))
         self._book.objects[key] = obj
@@ -180,8 +197,7 @@ class MasterState:
         obj.last_access = now
         obj.replicas = [replace(r, state=ReplicaState.COMPLETE) for r in obj.replicas]
         for r in obj.replicas:
-            self._book.segments[r.segment_id].lru.add(key, obj.pin)
-            self._book.tier_lru[r.tier].add(key, obj.pin)
+            self._book.listed(obj, r)
         self._book.stored(obj)
         return OK
 
@@ -297,15 +313,20 @@ class MasterState:
     def nodes(self) -> list[str]:
         return sorted(self._book.nodes)
 
-    def node_objects(self, node_id: str) -> list[tuple[str, Replica, Pin]]:
-        """Complete replicas held by a node's segments: (key, replica, pin)."""
+    def node_objects(self, node_id: str) -> list[tuple[str, Replica, Pin, str]]:
+        """Complete replicas held by a node's segments: (key, replica, pin, owner)."""
         return master_views.node_objects(self._book, node_id)
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Per tier: capacity, used, pending_free (bytes) and segments (count)."""
         return master_views.usage(self._book)
 
+    def usage_by_owner(self) -> dict[str, dict[str, int]]:
+        """Per owner holding any bytes, per tier: the bytes charged to it (what its quota
+        caps: the aligned bytes of its replicas and of its moves' destinations in flight)."""
+        return master_views.usage_by_owner(self._book)
+
     def ranges(self) -> dict[str, list[tuple[int, int, str]]]:
         """Every range the metadata says is allocated, per segment: (offset, aligned length,
-        owner), where owner is the key, "key>move" (a move destination) or "key~held"."""
+        what), where what is the key, "key>move" (a move destination) or "key~held"."""
         return master_views.ranges(self._book)

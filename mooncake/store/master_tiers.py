@@ -1,10 +1,13 @@
 """Eviction and the SSD tier: approximate-LRU eviction, offload to SSD, promotion to DRAM.
 
 Policy over the master's `Book` (functions of it, no state of their own): which objects to
-evict and when (over the DRAM high watermark, or to make room for a put or a move), which
-evicted objects go to their node's SSD instead of away, when an SSD hit is promoted back, and
-what a finished or failed move does to the object's replicas. Every table update goes through
-the `Book`'s primitives.
+evict and when (over the DRAM high watermark, to make room for a put or a move, or to keep an
+owner within its quota), which evicted objects go to their node's SSD instead of away, when
+an SSD hit is promoted back, and what a finished or failed move does to the object's
+replicas. Every table update goes through the `Book`'s primitives.
+
+One eviction path, scoped by the LRU it gathers from: a tier's (the watermark), a segment's
+(room for an allocation there), an owner's in a tier (its quota: only its own objects).
 
 PURE, like the rest of the master state; semantics: `master_state`'s module docstring.
 """
@@ -18,7 +21,15 @@ from mooncake.store.master_records import _Lru, _Obj, _Segment
 from mooncake.store.master_types import OK, DropReason, Ok, Refusal, ReplicaDropped
 from mooncake.store.types import Reason, Replica, ReplicaState, Tier
 
-__all__ = ["evict_over_watermark", "fail_move", "make_room", "move_done", "move_failed", "promote"]
+__all__ = [
+    "evict_over_watermark",
+    "fail_move",
+    "make_room",
+    "move_done",
+    "move_failed",
+    "promote",
+    "quota_room",
+]
 
 # --- eviction ---------------------------------------------------------------------------------
 
@@ -45,10 +56,45 @@ def evict_over_watermark(b: Book, now: float) -> None:
     if cap == 0 or used - pending <= b.config.high_watermark * cap:
         return
     target = (b.config.high_watermark - b.config.evict_fraction) * cap
-    victims = _gather(b, b.tier_lru[Tier.DRAM], used - pending - target, now, Tier.DRAM)
-    for obj in victims:
-        if b.objects.get(obj.key) is obj and obj.move is None:
-            _evict_dram(b, obj, now)
+    _evict(b, _gather(b, b.tier_lru[Tier.DRAM], used - pending - target, now, Tier.DRAM), now)
+
+
+def quota_room(
+    b: Book, owner: str, tier: Tier, need: int, now: float, *, exclude: str | None = None
+) -> Ok | Refusal:
+    """Room for `need` more bytes of `owner` in `tier` within its quota: its own LRU objects
+    there are evicted for it (never another owner's; the same rules as any eviction), and
+    what its moves in flight will take out of the tier counts as leaving (RETRY_LATER when
+    only they make room)."""
+    cap = b.config.cap(owner, tier)
+    if cap is None or b.used(owner, tier) + need <= cap:
+        return OK
+    if need > cap:
+        return _over_quota(b, f"{need} bytes exceed {owner}'s {tier} quota of {cap}")
+    over = b.used(owner, tier) + need - cap - _leaving(b, owner, tier)
+    if over > 0:
+        victims = _gather(b, b.accounts[owner].lru[tier], over, now, tier, exclude)
+        b.stats["quota_evicted"] += len(victims)
+        _evict(b, victims, now, tier)
+        if b.used(owner, tier) + need <= cap:
+            return OK
+        if b.used(owner, tier) + need - cap - _leaving(b, owner, tier) > 0:
+            return _over_quota(b, f"{owner}'s {tier} quota of {cap}: nothing of its to evict")
+    return Refusal(Reason.RETRY_LATER, f"room in {owner}'s {tier} quota is being made")
+
+
+def _leaving(b: Book, owner: str, tier: Tier) -> int:
+    """Bytes of `owner` in `tier` that free themselves when its moves in flight land."""
+    return sum(
+        b.aligned(mv.src.size)
+        for obj in b.moving.values()
+        if obj.owner == owner and (mv := obj.move) is not None and mv.src.tier is tier
+    )
+
+
+def _over_quota(b: Book, detail: str) -> Refusal:
+    b.stats["quota_refused"] += 1
+    return Refusal(Reason.QUOTA, detail)
 
 
 def _evict_segment(
@@ -69,15 +115,7 @@ def _evict_segment(
         victims = _gather(b, seg.lru, max(need - free, 1), now, None, exclude)
         if not victims:
             return
-        for obj in victims:
-            if b.objects.get(obj.key) is not obj or obj.move is not None:
-                continue
-            if seg.info.tier is Tier.DRAM:
-                _evict_dram(b, obj, now)
-            else:
-                on_seg = [r for r in obj.replicas if r.segment_id == seg.info.segment_id]
-                b.drop_replicas(obj, on_seg, "evicted", now)
-                b.stats["evicted"] += 1
+        _evict(b, victims, now, seg.info.tier)
 
 
 def _gather(
@@ -97,6 +135,19 @@ def _gather(
         if got >= nbytes:
             break
     return out
+
+
+def _evict(b: Book, victims: list[_Obj], now: float, tier: Tier = Tier.DRAM) -> None:
+    """Evict `victims` (from `_gather`) from `tier`, skipping any that an earlier eviction
+    of the batch removed or started moving: from DRAM by `_evict_dram`; from SSD, dropped."""
+    for obj in victims:
+        if b.objects.get(obj.key) is not obj or obj.move is not None:
+            continue
+        if tier is Tier.DRAM:
+            _evict_dram(b, obj, now)
+        else:
+            b.drop_replicas(obj, [r for r in obj.replicas if r.tier is tier], "evicted", now)
+            b.stats["evicted"] += 1
 
 
 def _evict_dram(b: Book, obj: _Obj, now: float) -> None:
@@ -128,6 +179,9 @@ def _ssd_room(b: Book, node_id: str, obj: _Obj, now: float) -> Replica | None:
         s for sid in sorted(node.segments)
         if (s := b.segments[sid]).info.tier is Tier.SSD and s.info.size >= need
     ]  # fmt: skip
+    # Within the owner's SSD quota (evicting its own SSD objects), or not offloaded at all.
+    if not ssd or not isinstance(quota_room(b, obj.owner, Tier.SSD, need, now), Ok):
+        return None
     seg = _room_on(b, ssd, need, now, exclude=obj.key, wait_for_moves=False)
     return None if seg is None else b.alloc(seg, obj.size)
 
@@ -202,6 +256,10 @@ def promote(b: Book, obj: _Obj, now: float) -> None:
         s for sid in sorted(node.segments)
         if (s := b.segments[sid]).info.tier is Tier.DRAM and s.info.size >= need
     ]  # fmt: skip
+    # A promotion is a DRAM allocation of the owner like a put: within its quota, or none.
+    quota = quota_room(b, obj.owner, Tier.DRAM, need, now, exclude=obj.key) if dram else None
+    if not isinstance(quota, Ok):
+        return
     seg = _room_on(b, dram, need, now, exclude=obj.key, wait_for_moves=True)
     # Making room offloads other objects to the SSD, which may have evicted this one there.
     if seg is not None and b.objects.get(obj.key) is obj and src in obj.replicas:

@@ -7,12 +7,15 @@ re-exports every name here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
-from mooncake.store.types import Pin, Reason, Replica, SegmentInfo
+from mooncake.hashing import DEFAULT_CACHE_NAMESPACE
+from mooncake.store.types import Pin, Reason, Replica, SegmentInfo, Tier
 
 __all__ = [
+    "DEFAULT_OWNER",
     "OK",
     "Change",
     "DropReason",
@@ -24,12 +27,31 @@ __all__ = [
     "ObjectView",
     "Ok",
     "PutPlan",
+    "Quota",
     "Refusal",
     "RemoveReason",
     "ReplicaDropped",
     "Restored",
     "SegmentStatus",
 ]
+
+
+# Whom an object's bytes are accounted to when its put names no one: the default tenant's own
+# cache namespace (`hashing.cache_namespace`), where the default tenant's blocks are keyed.
+DEFAULT_OWNER = DEFAULT_CACHE_NAMESPACE
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """Caps on one owner's bytes per tier (None: no cap). What counts: the aligned bytes of its
+    objects' replicas in that tier, pending and complete, and of its moves' destinations in
+    flight."""
+
+    dram_bytes: int | None = None
+    ssd_bytes: int | None = None
+
+    def cap(self, tier: Tier) -> int | None:
+        return self.dram_bytes if tier is Tier.DRAM else self.ssd_bytes
 
 
 @dataclass(frozen=True)
@@ -40,6 +62,15 @@ class MasterConfig:
     put_timeout_s: float = 30.0  # a pending put (or move) older than this is a zombie
     node_timeout_s: float = 10.0  # no heartbeat for this long: node dead, its replicas dropped
     alignment: int = 64
+    # Per owner (the cache namespace a put names); `default_quota` caps the owners not named
+    # (None: they are unlimited).
+    quotas: Mapping[str, Quota] = field(default_factory=dict, hash=False)
+    default_quota: Quota | None = None
+
+    def cap(self, owner: str, tier: Tier) -> int | None:
+        """The most bytes `owner` may hold in `tier` (None: no cap)."""
+        quota = self.quotas.get(owner, self.default_quota)
+        return None if quota is None else quota.cap(tier)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.high_watermark <= 1.0 or not 0.0 <= self.evict_fraction < 1.0:
@@ -48,6 +79,9 @@ class MasterConfig:
             raise ValueError("lease_s >= 0, put_timeout_s > 0 and node_timeout_s > 0")
         if self.alignment <= 0:
             raise ValueError("alignment must be positive")
+        for q in [*self.quotas.values(), self.default_quota]:
+            if q is not None and any(c is not None and c < 0 for c in (q.dram_bytes, q.ssd_bytes)):
+                raise ValueError("quota bytes must be >= 0")
 
 
 # --- results --------------------------------------------------------------------------------
@@ -151,6 +185,7 @@ Change = ObjectStored | ObjectRemoved | ReplicaDropped | Move
 @dataclass(frozen=True, slots=True)
 class ObjectView:
     key: str
+    owner: str
     size: int
     pin: Pin
     complete: bool

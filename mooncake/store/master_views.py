@@ -11,7 +11,14 @@ from mooncake.store.master_book import Book
 from mooncake.store.master_types import Move, ObjectView, SegmentStatus
 from mooncake.store.types import Pin, Replica, Tier
 
-__all__ = ["node_objects", "object_view", "ranges", "segment_statuses", "usage"]
+__all__ = [
+    "node_objects",
+    "object_view",
+    "ranges",
+    "segment_statuses",
+    "usage",
+    "usage_by_owner",
+]
 
 
 def object_view(b: Book, key: str) -> ObjectView | None:
@@ -20,7 +27,7 @@ def object_view(b: Book, key: str) -> ObjectView | None:
         return None
     mv = obj.move
     return ObjectView(
-        obj.key, obj.size, obj.pin, obj.complete, tuple(obj.replicas), obj.lease_until,
+        obj.key, obj.owner, obj.size, obj.pin, obj.complete, tuple(obj.replicas), obj.lease_until,
         obj.last_access, None if mv is None else Move(obj.key, mv.src, mv.dst),
     )  # fmt: skip
 
@@ -32,14 +39,14 @@ def segment_statuses(b: Book) -> list[SegmentStatus]:
     ]
 
 
-def node_objects(b: Book, node_id: str) -> list[tuple[str, Replica, Pin]]:
+def node_objects(b: Book, node_id: str) -> list[tuple[str, Replica, Pin, str]]:
     node = b.nodes.get(node_id)
-    out: list[tuple[str, Replica, Pin]] = []
+    out: list[tuple[str, Replica, Pin, str]] = []
     for sid in sorted(node.segments) if node else ():
         for key in sorted(b.segments[sid].keys):
             obj = b.objects[key]
             if obj.complete:
-                out += [(key, r, obj.pin) for r in obj.replicas if r.segment_id == sid]
+                out += [(key, r, obj.pin, obj.owner) for r in obj.replicas if r.segment_id == sid]
     return out
 
 
@@ -52,6 +59,13 @@ def usage(b: Book) -> dict[str, dict[str, int]]:
         u["pending_free"] += s.pending_free
         u["segments"] += 1
     return out
+
+
+def usage_by_owner(b: Book) -> dict[str, dict[str, int]]:
+    return {
+        owner: {t.value: n for t, n in acct.used.items()}
+        for owner, acct in sorted(b.accounts.items())
+    }
 
 
 def ranges(b: Book) -> dict[str, list[tuple[int, int, str]]]:

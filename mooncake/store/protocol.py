@@ -31,6 +31,9 @@ Key = Annotated[str, Field(min_length=1, max_length=256)]
 NodeId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 SegmentId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 Size = Annotated[int, Field(ge=0, le=1 << 50)]
+# Whom an object's bytes are accounted to: a cache namespace (`hashing.cache_namespace`);
+# None: the default tenant's (`master_state.DEFAULT_OWNER`).
+Owner = Annotated[str, Field(min_length=1, max_length=128)]
 
 MASTER_OPS = (
     "mount",
@@ -101,6 +104,7 @@ class HeldObject(Wire):
     offset: Size
     size: Size
     pin: Pin = Pin.NONE
+    owner: Owner | None = None
 
 
 class Refused(Wire):
@@ -145,6 +149,7 @@ class PutItem(Wire):
     pin: Pin = Pin.NONE
     preferred_segment: SegmentId | None = None
     placement: Placement = Placement.MOST_FREE
+    owner: Owner | None = None  # counts against this namespace's quota
 
 
 class PutStartRequest(Wire):

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from mooncake.hashing import DEFAULT_CACHE_NAMESPACE
+
 
 class Tier(StrEnum):
     DRAM = "dram"
@@ -50,6 +52,9 @@ class Reason(StrEnum):
     UNKNOWN_NODE = "unknown_node"
     INVALID = "invalid"  # bad size, key, replica count ...
     RETRY_LATER = "retry_later"  # room is being made (an offload is in flight): try again soon
+    # The owner's namespace quota is full and its own evictable objects cannot make room
+    # (leased, pending or hard-pinned): other owners' objects are never evicted for it.
+    QUOTA = "quota"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,3 +94,4 @@ class ReportedObject:
     offset: int
     size: int
     pin: Pin = Pin.NONE
+    owner: str = DEFAULT_CACHE_NAMESPACE  # the cache namespace its bytes are accounted to

@@ -18,9 +18,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
+from prometheus_client import REGISTRY
 
-from mooncake.config import StoreSettings
+from mooncake.config import NamespaceQuota, StoreSettings
 from mooncake.core.block_index import BlockIndex
+from mooncake.hashing import cache_namespace
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
 from mooncake.store.client import ClientConfig, StoreClient
@@ -284,6 +286,51 @@ async def _offload_and_promote(cluster: Cluster, index: BlockIndex) -> None:
         return bool(usage["used"] <= 0.9 * usage["capacity"] + 64 * 1024)
 
     await wait_for(lambda: _async(under_watermark()), 5, "DRAM usage back under the watermark")
+
+
+async def test_a_put_beyond_a_namespace_quota_evicts_that_namespace_s_older_block(
+    cluster: Cluster,
+) -> None:
+    a, b = cache_namespace("a", None), cache_namespace("b", None)
+    await cluster.stop_master()
+    quota = {a: NamespaceQuota(dram_bytes=250_000)}  # two 100 kB blocks, not three
+    # Leases long enough that the reads below still hold theirs when the put comes.
+    update = {"namespace_quotas": quota, "lease_s": 10.0}
+    cluster.settings = cluster.settings.model_copy(update=update)
+    await cluster.start_master()
+    node = await cluster.add_node("n1")
+    client = cluster.client(("tcp",))
+    data = {k: blob(100_000, i) for i, k in enumerate(["b-old", "a-old", "a-mid", "a-new"])}
+    for key, blk in data.items():  # b-old is the pool's oldest, but b's
+        assert await client.put(key, blk, owner=b if key.startswith("b") else a) is None
+    keys = list(data)
+    assert await client.exists_many(keys) == [True, False, True, True]
+    for key in ("b-old", "a-new"):
+        got = await client.get(key)
+        assert got is not None and bytes(got) == data[key]
+    # a's blocks are both leased now (read): a third cannot be made room for.
+    await client.get_many(["a-mid", "a-new"])
+    refused = await client.put("a-more", blob(100_000, 9), owner=a)
+    assert refused is not None and refused.reason is Reason.QUOTA, refused
+    assert await client.put("b-more", blob(100_000, 9), owner=b) is None
+    master = cluster.master
+    assert master is not None
+    usage = master.state.usage_by_owner()
+    assert usage[a]["dram"] == 2 * 100_032 and usage[b]["dram"] == 2 * 100_032  # 64 B aligned
+
+    def exported() -> bool:
+        return (
+            REGISTRY.get_sample_value("mc_store_namespace_bytes", {"namespace": a, "tier": "dram"})
+            == 200_064
+        )
+
+    await wait_for(lambda: _async(exported()), 5, "the namespace gauge")
+    # The owners travel with the blocks: a restarted master learns them from the node.
+    await wait_for(lambda: _async(len(node.held) == 4), 5, "the node to learn its objects")
+    await cluster.stop_master()
+    restarted = await cluster.start_master()
+    await wait_for(lambda: client.exists("a-new"), 5, "the node to re-mount")
+    assert restarted.state.usage_by_owner() == usage
 
 
 async def test_kv_index_follows_nodes_and_resyncs_after_a_gap(cluster: Cluster) -> None:

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+from mooncake.store.allocator import align_up
 from mooncake.store.master_state import (
+    DEFAULT_OWNER,
     OK,
     Change,
     Lookup,
@@ -21,6 +23,7 @@ from mooncake.store.master_state import (
     ObjectRemoved,
     ObjectStored,
     PutPlan,
+    Quota,
     Refusal,
     ReplicaDropped,
     Restored,
@@ -541,6 +544,164 @@ def test_a_bad_config_is_a_programming_error(bad: dict[str, float]) -> None:
         MasterConfig(**bad)  # type: ignore[arg-type]
 
 
+# --- namespace quotas ---------------------------------------------------------------------------
+
+
+def quota_master(
+    *segs: SegmentInfo, quotas: dict[str, Quota] | None = None, default: Quota | None = None
+) -> MasterState:
+    cfg = MasterConfig(
+        lease_s=10.0, node_timeout_s=10.0, quotas=quotas or {}, default_quota=default
+    )
+    st = MasterState(cfg, random.Random(0))
+    for s in segs:
+        assert st.mount(s, 0.0) is OK
+    return st
+
+
+def removed(changes: list[Change]) -> list[str]:
+    return [c.key for c in of_type(changes, ObjectRemoved)]
+
+
+def test_a_namespace_at_its_cap_evicts_its_own_lru_object_never_another_namespaces() -> None:
+    st = quota_master(dram("a", 8 * KB), quotas={"A": Quota(dram_bytes=1 * KB)})
+    put(st, "b1", 512, 0.0, owner="B")  # the pool's LRU object, but B's
+    put(st, "a1", 512, 1.0, owner="A")
+    put(st, "a2", 512, 2.0, owner="A")
+    st.lookup("a1", 3.0)  # a1 is leased and recent: a2 is A's LRU candidate
+    st.drain()
+    put(st, "a3", 512, 4.0, owner="A")
+    assert removed(st.drain()) == ["a2"]
+    assert st.exists_many(["b1", "a1", "a2", "a3"]) == [True, True, False, True]
+    assert st.usage_by_owner() == {"A": {"dram": 1 * KB, "ssd": 0}, "B": {"dram": 512, "ssd": 0}}
+    assert st.stats["quota_evicted"] == 1
+    # The pool is far from its watermark: nobody else is touched by A's quota.
+    put(st, "b2", 4 * KB, 5.0, owner="B")
+    assert removed(st.drain()) == []
+
+
+def test_a_namespace_whose_own_objects_cannot_go_is_refused_with_the_quota_reason() -> None:
+    st = quota_master(dram("a", 8 * KB), quotas={"A": Quota(dram_bytes=1 * KB)})
+    put(st, "hard", 256, 0.0, owner="A", pin=Pin.HARD)
+    put(st, "soft", 256, 0.1, owner="A", pin=Pin.SOFT)
+    put(st, "leased", 512, 0.2, owner="A")
+    st.lookup("leased", 1.0)  # leased until 11.0
+    st.drain()
+    refused(st.put_start("big", 2 * KB, 1.5, owner="A"), Reason.QUOTA)  # over the cap alone
+    # Soft-pinned goes, as in any eviction, when nothing unpinned is left; then no more.
+    put(st, "x", 256, 2.0, owner="A", pin=Pin.HARD)
+    assert removed(st.drain()) == ["soft"]
+    res = st.put_start("y", 256, 3.0, owner="A")
+    refused(res, Reason.QUOTA)
+    assert isinstance(res, Refusal) and "A" in res.detail
+    assert st.stats["quota_refused"] == 2
+    assert st.object("y") is None and st.drain() == []  # nothing allocated, nothing evicted
+    put(st, "other", 2 * KB, 3.0, owner="B")  # another namespace is not held back
+    put(st, "y", 256, 12.0, owner="A")  # the lease ran out: "leased" makes the room
+    assert removed(st.drain()) == ["leased"]
+
+
+def test_the_default_quota_caps_unnamed_namespaces_and_a_named_one_overrides_it() -> None:
+    st = quota_master(dram("a", 8 * KB), default=Quota(dram_bytes=512), quotas={"big": Quota()})
+    put(st, "d1", 512, 0.0)  # no owner: the default namespace, capped by the default
+    put(st, "d2", 512, 1.0)
+    assert removed(st.drain()) == ["d1"]
+    put(st, "c1", 512, 2.0, owner="C")  # C is capped on its own, not with the default one
+    assert st.exists_many(["d2", "c1"]) == [True, True]
+    for i in range(4):
+        put(st, f"big{i}", 1 * KB, 3.0 + i, owner="big")
+    assert removed(st.drain()) == []
+    assert st.usage_by_owner()[DEFAULT_OWNER]["dram"] == 512
+    assert st.usage_by_owner()["big"]["dram"] == 4 * KB
+
+
+def test_offloads_respect_the_ssd_quota_evicting_the_namespaces_own_ssd_objects() -> None:
+    st = quota_master(dram("a", 1 * KB), ssd("a", 4 * KB), quotas={"A": Quota(ssd_bytes=512)})
+    put(st, "b1", 512, 0.0, owner="B")
+    put(st, "a1", 512, 1.0, owner="A")
+
+    def offload(key: str, now: float) -> list[Change]:
+        refused(st.put_start(key, 512, now, owner="A"), Reason.RETRY_LATER)
+        changes = st.drain()
+        (mv,) = of_type(changes, Move)
+        assert mv.dst.tier is Tier.SSD
+        assert st.move_done(mv.key, mv.dst.segment_id, now) is OK
+        put(st, key, 512, now, owner="A")
+        return changes
+
+    assert of_type(offload("a2", 2.0), Move)[0].key == "b1"  # DRAM room: the pool's LRU
+    assert of_type(offload("a3", 3.0), Move)[0].key == "a1"  # A's SSD: 512 of 512
+    assert st.usage_by_owner()["A"] == {"dram": 1 * KB, "ssd": 512}
+    # a2 goes to SSD next: A's SSD quota is full, so A's own SSD object a1 is dropped for it,
+    # not b1 (older, and the SSD has room).
+    changes = offload("a4", 4.0)
+    assert of_type(changes, Move)[0].key == "a2"
+    assert removed(changes) == ["a1"]
+    assert st.exists_many(["b1", "a1", "a2"]) == [True, False, True]
+    assert st.usage_by_owner()["A"] == {"dram": 1 * KB, "ssd": 512}
+
+
+def test_a_zero_ssd_quota_turns_an_offload_into_a_drop() -> None:
+    st = quota_master(dram("a", 1 * KB), ssd("a", 4 * KB), quotas={"A": Quota(ssd_bytes=0)})
+    put(st, "a1", 1 * KB, 0.0, owner="A")
+    put(st, "b1", 1 * KB, 1.0, owner="B")  # DRAM room: a1 is evicted, and cannot go to SSD
+    changes = st.drain()
+    assert of_type(changes, Move) == [] and removed(changes) == ["a1"]
+    assert st.usage()["ssd"]["used"] == 0
+
+
+def test_a_promotion_stays_within_the_dram_quota() -> None:
+    st = quota_master(dram("a", 8 * KB), ssd("a", 8 * KB), quotas={"A": Quota(dram_bytes=512)})
+    put(st, "a1", 512, 0.0, owner="A")
+    # A's quota, not the pool, sends a1 to SSD; the put waits for the move (RETRY_LATER).
+    refused(st.put_start("a2", 512, 1.0, owner="A"), Reason.RETRY_LATER)
+    (mv,) = of_type(st.drain(), Move)
+    assert mv.key == "a1" and st.move_done("a1", mv.dst.segment_id, 1.5) is OK
+    put(st, "a2", 512, 2.0, owner="A")
+    st.drain()
+    # A hit on a1 (on SSD) would take A over its DRAM cap: a2 makes way first.
+    assert [r.tier for r in found(st.lookup("a1", 3.0)).replicas] == [Tier.SSD]
+    (mv,) = of_type(st.drain(), Move)
+    assert (mv.key, mv.dst.tier) == ("a2", Tier.SSD)
+    assert st.move_done("a2", mv.dst.segment_id, 3.5) is OK
+    st.drain()
+    found(st.lookup("a1", 4.0))
+    (mv,) = of_type(st.drain(), Move)
+    assert (mv.key, mv.dst.tier) == ("a1", Tier.DRAM)
+    assert st.usage_by_owner()["A"] == {"dram": 512, "ssd": 1 * KB}  # the promotion in flight
+
+
+def test_owners_survive_a_master_restart_and_go_with_a_lost_node() -> None:
+    st = quota_master(dram("a"), ssd("a"), dram("b"))
+    put(st, "x", 300, 0.0, owner="A", preferred_segment="a-dram-0")
+    put(st, "y", 100, 0.0, owner="B", replicas=2)
+    put(st, "z", 100, 0.0, preferred_segment="a-dram-0")
+    assert st.put_start("p", 64, 0.0, owner="C", preferred_segment="a-dram-0") is not None
+    usage = st.usage_by_owner()
+    assert set(usage) == {"A", "B", DEFAULT_OWNER, "C"}
+    fresh = quota_master()
+    for node, segs in (("a", [dram("a"), ssd("a")]), ("b", [dram("b")])):
+        reports = [
+            ReportedObject(k, r.segment_id, r.offset, r.size, pin, owner)
+            for k, r, pin, owner in st.node_objects(node)
+        ]
+        assert isinstance(fresh.restore(node, segs, reports, 1.0), Restored)
+    del usage["C"]  # a put in flight is not on any node
+    assert fresh.usage_by_owner() == usage
+    view = fresh.object("x")
+    assert view is not None and view.owner == "A"
+    fresh.heartbeat("b", 12.0)
+    fresh.tick(12.0)  # a is lost: what only a held is gone from its owners' accounts
+    assert fresh.usage_by_owner() == {"B": {"dram": 128, "ssd": 0}}  # y's copy on b
+
+
+def test_a_negative_quota_is_a_programming_error() -> None:
+    with pytest.raises(ValueError):
+        MasterConfig(quotas={"A": Quota(dram_bytes=-1)})
+    with pytest.raises(ValueError):
+        MasterConfig(default_quota=Quota(ssd_bytes=-1))
+
+
 # --- random operation sequences ---------------------------------------------------------------
 
 NODES = {
@@ -549,6 +710,7 @@ NODES = {
     "n2": [dram("n2", 1 * KB), ssd("n2", 1 * KB)],
 }
 KEYS = [f"k{i}" for i in range(10)]
+OWNERS = ["A", "B", "C"]
 
 
 @dataclass(frozen=True)
@@ -562,6 +724,7 @@ class Op:
     flag: bool
     dt: float
     outcomes: tuple[bool, ...]
+    owner: str
 
 
 OPS = ["put"] * 4 + ["start_put", "finish_put", "remove", "kill", "revive"] + ["lookup"] * 3
@@ -577,6 +740,7 @@ op_strategy = hs.builds(
     flag=hs.booleans(),
     dt=hs.floats(0.1, 4.0),
     outcomes=hs.lists(hs.booleans(), max_size=3).map(tuple),
+    owner=hs.sampled_from(OWNERS),
 )
 
 
@@ -585,8 +749,8 @@ class Model:
     checks after every step that its metadata is self-consistent and agrees with what the
     change stream told the world."""
 
-    def __init__(self) -> None:
-        cfg = MasterConfig(lease_s=5.0, put_timeout_s=20.0, node_timeout_s=10.0)
+    def __init__(self, **quotas: object) -> None:
+        cfg = MasterConfig(lease_s=5.0, put_timeout_s=20.0, node_timeout_s=10.0, **quotas)  # type: ignore[arg-type]
         self.st = MasterState(cfg, random.Random(0))
         self.now = 0.0
         self.alive = set(NODES)
@@ -603,6 +767,7 @@ class Model:
         self.absorb()
         self.check_ranges()
         self.check_objects()
+        self.check_accounts()
 
     def absorb(self) -> None:
         for c in self.st.drain():
@@ -632,11 +797,15 @@ class Model:
 
     def put(self, op: Op, *, end: bool = True) -> None:
         res = self.st.put_start(
-            op.key, op.size, self.now, replicas=op.replicas, pin=op.pin, placement=op.placement
-        )
+            op.key, op.size, self.now, replicas=op.replicas, pin=op.pin, placement=op.placement,
+            owner=op.owner,
+        )  # fmt: skip
+        cap = self.st.config.cap(op.owner, Tier.DRAM)
         if isinstance(res, PutPlan):
             assert len({r.segment_id for r in res.replicas}) == op.replicas
             assert not self.st.exists_many([op.key])[0]
+            # A put never takes its owner over its DRAM cap (restore, not driven here, may).
+            assert cap is None or self.st.usage_by_owner()[op.owner]["dram"] <= cap
             if end:
                 assert self.st.put_end(op.key, self.now) is OK
 
@@ -708,10 +877,40 @@ class Model:
             assert len({r.segment_id for r in view.replicas}) == len(view.replicas)
             assert self.holders[k] == {r.node_id for r in view.replicas}
 
+    def check_accounts(self) -> None:
+        """Each owner is charged exactly its objects' replicas and moves in flight, per tier
+        (from the object views); together, every allocated range but the held ones."""
+        want: dict[str, dict[str, int]] = {}
+        for k in KEYS:
+            view = self.st.object(k)
+            if view is None:
+                continue
+            for r in [*view.replicas, *([view.move.dst] if view.move else [])]:
+                tiers = want.setdefault(view.owner, dict.fromkeys(["dram", "ssd"], 0))
+                tiers[r.tier.value] += align_up(r.size, self.st.config.alignment)
+        got = self.st.usage_by_owner()
+        assert got == want
+        tier_of = {s.info.segment_id: s.info.tier.value for s in self.st.segments()}
+        allocated = dict.fromkeys(["dram", "ssd"], 0)
+        for sid, spans in self.st.ranges().items():
+            allocated[tier_of[sid]] += sum(ln for _, ln, w in spans if not w.endswith("~held"))
+        assert allocated == {t: sum(u[t] for u in got.values()) for t in allocated}
+
 
 @settings(max_examples=120, deadline=None)
 @given(ops=hs.lists(op_strategy, min_size=30, max_size=100))
 def test_random_operation_sequences_keep_every_invariant(ops: list[Op]) -> None:
     model = Model()
+    for op in ops:
+        model.step(op)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=hs.lists(op_strategy, min_size=30, max_size=100))
+def test_random_operation_sequences_under_quotas_keep_every_invariant(ops: list[Op]) -> None:
+    model = Model(
+        quotas={"A": Quota(dram_bytes=700, ssd_bytes=600), "B": Quota(dram_bytes=1200)},
+        default_quota=Quota(ssd_bytes=0),  # C: never offloaded, always dropped
+    )
     for op in ops:
         model.step(op)
