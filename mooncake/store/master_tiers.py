@@ -203,12 +203,23 @@ def _room_on(
 # --- moves (SSD offload and promotion) ----------------------------------------------------------
 
 
-def move_done(b: Book, key: str, dst_segment_id: str, now: float) -> Ok | Refusal:
+def _moving(b: Book, key: str, dst_segment_id: str) -> _Obj | Refusal:
+    """The object whose move to `dst_segment_id` a node reports on; a report of no such
+    move (the object was removed meanwhile) frees the orphaned destination."""
     obj = b.moving.get(key)
     mv = obj.move if obj is not None else None
     if obj is None or mv is None or mv.dst.segment_id != dst_segment_id:
         b.release_orphan(key, dst_segment_id)
         return Refusal(Reason.NOT_FOUND, f"no move of {key} to {dst_segment_id}")
+    return obj
+
+
+def move_done(b: Book, key: str, dst_segment_id: str, now: float) -> Ok | Refusal:
+    obj = _moving(b, key, dst_segment_id)
+    if isinstance(obj, Refusal):
+        return obj
+    mv = obj.move
+    assert mv is not None
     b.end_move(obj)
     b.attach(obj, replace(mv.dst, state=ReplicaState.COMPLETE))
     src = next((r for r in obj.replicas if r.segment_id == mv.src.segment_id), None)
@@ -228,11 +239,9 @@ def move_done(b: Book, key: str, dst_segment_id: str, now: float) -> Ok | Refusa
 
 
 def move_failed(b: Book, key: str, dst_segment_id: str, now: float) -> Ok | Refusal:
-    obj = b.moving.get(key)
-    mv = obj.move if obj is not None else None
-    if obj is None or mv is None or mv.dst.segment_id != dst_segment_id:
-        b.release_orphan(key, dst_segment_id)
-        return Refusal(Reason.NOT_FOUND, f"no move of {key} to {dst_segment_id}")
+    obj = _moving(b, key, dst_segment_id)
+    if isinstance(obj, Refusal):
+        return obj
     fail_move(b, obj, now)
     return OK
 
