@@ -333,6 +333,7 @@ class Conductor:
                 with trace.use_span(spans[i], end_on_exit=False):
                     judged = self._judge(batch[i])
                     if isinstance(judged, ev.RequestSubmitted):
+                        spans[i].set_attribute("mc.tenant", judged.tenant)
                         fresh = await self._fresh(judged, batch[i].num_delivered)
                         return judged if fresh else None
                     outcomes[i] = await judged

@@ -235,6 +235,12 @@ async def test_one_request_is_one_connected_trace(pipeline: Pipeline, nc: NATS) 
                 spans.append(s)
     roles = {s["resource"]["attributes"].get("mooncake.role") for s in spans}
     assert {"conductor", "prefill", "decode"} <= roles, roles
+    # Whose request it was, on the Conductor's and the prefill's spans (issue 20).
+    tenants = {
+        s["resource"]["attributes"].get("mooncake.role"): s["attributes"]["mc.tenant"]
+        for s in spans if "mc.tenant" in s["attributes"]
+    }  # fmt: skip
+    assert tenants == {"conductor": ev.DEFAULT_TENANT, "prefill": ev.DEFAULT_TENANT}, tenants
     ids = {s["context"]["span_id"] for s in spans} | {
         "0x" + format(s.context.span_id, "016x") for s in memory.get_finished_spans()
     }
