@@ -74,7 +74,10 @@ def observe_ended(rows: Iterable[Row], slo: SLO, tenants: metrics.TenantLabels) 
         metrics.TENANT_REQUESTS_ENDED.labels(tenant, row["status"]).inc()
         if row["status"] == "completed" and slo.met_by(row["ttft_s"], row["tbt_s"]):
             metrics.TENANT_GOODPUT.labels(tenant).inc()
-        if row["prompt_tokens"]:  # prefilled (a rejection never was)
+        # Prefilled (`prefill_s` comes with RequestPrefilled): a request rejected, cancelled
+        # or failed before its prefill has its prompt's length from its submission already,
+        # and would count as a miss of the hit rate.
+        if row["prefill_s"] is not None and row["prompt_tokens"]:
             metrics.TENANT_PROMPT_TOKENS.labels(tenant).inc(row["prompt_tokens"])
             metrics.TENANT_CACHED_TOKENS.labels(tenant).inc(row["cached_tokens"])
 

@@ -43,7 +43,7 @@ def _value(name: str, **labels: str) -> float:
 
 def _row(tenant: str | None, status: str, **kw: Any) -> dict[str, Any]:
     row = {"tenant": tenant, "status": status, "ttft_s": None, "tbt_s": None}
-    return row | {"prompt_tokens": None, "cached_tokens": 0} | kw
+    return row | {"prompt_tokens": None, "cached_tokens": 0, "prefill_s": None} | kw
 
 
 def test_each_ended_request_counts_its_outcome_goodput_and_tokens_under_its_label() -> None:
@@ -52,9 +52,27 @@ def test_each_ended_request_counts_its_outcome_goodput_and_tokens_under_its_labe
     other_before = _value("mc_tenant_requests_ended_total", tenant="_other", outcome="failed")
     observe_ended(
         [
-            _row(t, "completed", ttft_s=1.0, tbt_s=0.05, prompt_tokens=100, cached_tokens=64),
-            _row(t, "completed", ttft_s=9.0, tbt_s=0.05, prompt_tokens=50, cached_tokens=0),
-            _row(t, "rejected"),  # never prefilled: no tokens
+            _row(
+                t,
+                "completed",
+                ttft_s=1.0,
+                tbt_s=0.05,
+                prompt_tokens=100,
+                cached_tokens=64,
+                prefill_s=0.5,
+            ),
+            _row(
+                t,
+                "completed",
+                ttft_s=9.0,
+                tbt_s=0.05,
+                prompt_tokens=50,
+                cached_tokens=0,
+                prefill_s=0.0,
+            ),
+            # Never prefilled: its submission gave it a prompt length, but no hit or miss.
+            _row(t, "rejected", prompt_tokens=30),
+            _row(t, "cancelled", prompt_tokens=40),
             _row(crowd, "failed", prompt_tokens=10),
         ],
         SLO(ttft_s=2.0, tbt_s=0.1),
