@@ -32,9 +32,11 @@ from mooncake.store.kv_index import (
 
 log = logging.getLogger("mooncake.store.kv_follow")
 
-# Producers tip every second or so (a store node each heartbeat, an engine tier each
-# announcement): one not heard of for this long is dead or cut off, and its blocks unknown.
-SILENT_S = 3.0
+# Producers tip every TIP_EVERY_S (a store node on a timer of its own, an engine tier at
+# each idle announcement, more often): one not heard of for SILENT_S is dead or cut off, and
+# its blocks unknown.
+TIP_EVERY_S = 1.0
+SILENT_S = 3 * TIP_EVERY_S
 
 
 class KvIndexSubscriber:
@@ -63,6 +65,8 @@ class KvIndexSubscriber:
         self.snapshots = 0
         self._sub: Subscription | None = None
         self._fetching: set[str] = set()
+        # node -> how many times it was dropped: a snapshot fetched across a drop is stale
+        self._drops: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -92,6 +96,7 @@ class KvIndexSubscriber:
         (its next life starts again from a snapshot, and a new `since`)."""
         self.follower.drop_node(node_id)
         self.states.pop(node_id, None)
+        self._drops[node_id] = self._drops.get(node_id, 0) + 1
 
     async def _on_events(self, msg: Msg) -> None:
         try:
@@ -128,6 +133,7 @@ class KvIndexSubscriber:
             self._on_state()
 
     async def _fetch(self, node_id: str) -> None:
+        drops = self._drops.get(node_id, 0)
         try:
             delay = 0.05
             for _ in range(8):
@@ -135,6 +141,8 @@ class KvIndexSubscriber:
                     resp = await self.nc.request(
                         self._snapshot(node_id), b"", timeout=self.timeout_s
                     )
+                    if self._drops.get(node_id, 0) != drops:
+                        return  # dropped meanwhile (a dead node): no ghost of it comes back
                     w = p.KvSnapshotWire.model_validate_json(resp.data)
                     snap = KvSnapshot(w.node_id, w.seq, tuple(w.keys), w.epoch, tuple(w.ssd))
                     res = self.follower.load_snapshot(snap)
@@ -147,11 +155,12 @@ class KvIndexSubscriber:
                     log.info("snapshot of %s failed (%s); retrying", node_id, type(e).__name__)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
-            self.follower.degrade(node_id)
-            log.warning("no usable snapshot from %s: its blocks count as unknown", node_id)
+            if self._drops.get(node_id, 0) == drops:
+                self.follower.degrade(node_id)
+                log.warning("no usable snapshot from %s: its blocks count as unknown", node_id)
         finally:
             self._fetching.discard(node_id)
-            if node_id in self.follower.states():  # not dropped meanwhile (a dead node)
+            if self._drops.get(node_id, 0) == drops:  # not dropped meanwhile (a dead node)
                 self._changed(node_id)
 
 

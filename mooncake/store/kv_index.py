@@ -239,8 +239,12 @@ class KvIndexFollower:
         return NeedSnapshot(batch.node_id, "gap")
 
     def tip(self, tip: KvTip) -> Applied | NeedSnapshot:
-        """The producer says its last batch is `tip.seq`: behind it, a batch was lost."""
+        """The producer says its last batch is `tip.seq`: behind it, a batch was lost. A
+        DEGRADED node (its snapshot could not be had) is asked again at each tip, so it
+        does not stay unknown once the producer can answer."""
         s = self._stream(tip.node_id, tip.epoch)
+        if s.awaiting and s.degraded:
+            return NeedSnapshot(tip.node_id, "tip")
         if tip.seq < s.expected or s.awaiting:
             return Applied(tip.node_id, s.expected - 1, 0)
         s.awaiting = True

@@ -28,7 +28,7 @@ from mooncake import metrics
 from mooncake.aio import cancel_all
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
-from mooncake.store.kv_follow import answer_snapshot, batch_bytes, tip_bytes
+from mooncake.store.kv_follow import TIP_EVERY_S, answer_snapshot, batch_bytes, tip_bytes
 from mooncake.store.kv_index import KvEventLog
 from mooncake.store.segment import Segment, sweep_stale
 from mooncake.store.transfer.base import (
@@ -119,6 +119,7 @@ class StoreNode:
             await self.nc.subscribe(sub.kv_snapshot(cfg.node_id), cb=self._on_snapshot),
         ]
         await self.nc.flush()
+        self._spawn(self._tip_loop())  # from the start: a new life's tip drops the old one's
         await self._mount()
         self._spawn(self._heartbeat_loop())
 
@@ -215,7 +216,6 @@ class StoreNode:
         req = p.HeartbeatRequest(node_id=self.config.node_id)
         while not self._stopping:
             await asyncio.sleep(self.config.heartbeat_s)
-            await self._publish_tip()
             try:
                 reply = p.OkReply.model_validate_json(await self._request("heartbeat", req))
             except Exception as e:
@@ -295,12 +295,16 @@ class StoreNode:
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.kv_events(self.config.node_id), batch_bytes(batch))
 
-    async def _publish_tip(self) -> None:
-        """Where this node's KV events stand, each heartbeat: a follower that missed the
-        last batch sees the gap (store/kv_index.py `KvTip`)."""
-        with contextlib.suppress(Exception):
-            subject = self.subjects.kv_events(self.config.node_id)
-            await self.nc.publish(subject, tip_bytes(self.kv_log))
+    async def _tip_loop(self) -> None:
+        """Where this node's KV events stand, every TIP_EVERY_S on a timer of its own (not
+        behind the master's heartbeat, which a slow or absent master holds up): a follower
+        that missed the last batch sees the gap (store/kv_index.py `KvTip`), and one that
+        hears nothing for SILENT_S counts this node's blocks as unknown."""
+        subject = self.subjects.kv_events(self.config.node_id)
+        while not self._stopping:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(subject, tip_bytes(self.kv_log))
+            await asyncio.sleep(TIP_EVERY_S)
 
     async def _on_snapshot(self, msg: Msg) -> None:
         await answer_snapshot(self.kv_log, msg)

@@ -385,3 +385,46 @@ def test_a_node_not_heard_of_is_degraded_until_it_is_heard_again() -> None:
     assert index.match(["a"], f.unsure()).node_blocks == {"n2": 1}
     assert f.heard("n1", 14.0) and f.state("n1") is IndexState.EXACT  # its tip came back
     assert not f.heard("n1", 14.5)
+
+
+def test_a_degraded_node_is_asked_again_at_its_next_tip() -> None:
+    """No snapshot could be had (a long outage): the node's next tip asks again, so it does
+    not stay unknown once it can answer."""
+    f = KvIndexFollower(BlockIndex())
+    log = KvEventLog("n1")
+    f.apply(log.record(["a"]))
+    log.record(["b"])  # lost
+    f.apply(log.record(["c"]))
+    f.degrade("n1")
+    assert f.state("n1") is IndexState.DEGRADED
+    assert f.tip(log.tip()) == NeedSnapshot("n1", "tip")
+    f.load_snapshot(log.snapshot())
+    assert f.state("n1") is IndexState.EXACT and f.tip(log.tip()) == Applied("n1", 3, 0)
+
+
+async def test_a_snapshot_fetched_across_a_drop_does_not_bring_the_node_back() -> None:
+    """NodeLost while its snapshot is on the way: the answer is discarded, not loaded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mooncake.namespace import Namespace
+    from mooncake.store import protocol as p
+    from mooncake.store.kv_follow import KvIndexSubscriber
+
+    answer = asyncio.Event()
+    snap = p.KvSnapshotWire(node_id="n1", seq=1, keys=["ghost"])
+
+    class Nats:
+        async def request(self, subject: str, data: bytes, **_: object) -> object:
+            await answer.wait()
+            return SimpleNamespace(data=snap.model_dump_json().encode())
+
+    index = BlockIndex()
+    sub = KvIndexSubscriber(Nats(), Namespace("t"), KvIndexFollower(index))  # type: ignore[arg-type]
+    fetch = asyncio.create_task(sub._fetch("n1"))
+    await asyncio.sleep(0)
+    sub.drop_node("n1")
+    answer.set()
+    await fetch
+    assert index.holders("ghost") == frozenset()
+    assert "n1" not in sub.states and sub.follower.states() == {}
