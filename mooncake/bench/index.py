@@ -15,14 +15,22 @@ Three faults, one after another, each while the workload runs:
   counting as hits: `silent_detect_s`), then started again (a new life, empty).
 
 A fault *ends* when the drops stop, the master is back, the node is back; the workload then
-pauses so that the truth holds still. `resync_s` is the time from the end until every node's
-index is EXACT **and** holds exactly the keys the master says the node holds (each node's
-listing, `node_objects`). Then `decisions` decisions are made for prompts of the workload and
-each block a decision assumes (its instance's local prefix, the pool's prefix it would fetch)
-is checked against that listing: `overcounted_decisions_after_resync` counts decisions that
-assumed a block not there. The same decisions over a naive index in the same run (every
-received batch applied, no gap detection, snapshots, tips or silence) show that the check can
-fail: `naive_overcounted_decisions`.
+pauses so that the truth holds still. From then on, every 50 ms for 4 s (and at least until
+the index has converged), the bench reads each node's holdings, the master's listing of each
+node (`node_objects`) and each node's index state, and makes `per_poll` decisions for
+prompts of the workload; each block a decision assumes (its instance's local prefix, the
+pool's prefix it would fetch) is checked against what the nodes hold (each node's own
+snapshot; a dead node holds nothing). `resync_s`: from the end until every node is EXACT;
+`converged_s`: until the index, the nodes and the master's listing all agree.
+`unservable_exact`: decisions made while every node was EXACT that assumed a block its node
+holds but the master could not serve yet (a restarted master relearns the objects from the
+nodes' re-mounts). `overcounted_decisions_after_resync` counts the decisions made while
+every node was EXACT that assumed a block not there: the Conductor trusts an EXACT index, so
+a lost batch not yet seen (no later batch, no tip yet) would show here. Decisions made while
+a node was not EXACT exclude its blocks (`overcounted_decisions_while_resyncing`). The same
+decisions over a naive index in the same run (every received batch applied, no gap
+detection, snapshots, tips or silence) show that the check can fail:
+`naive_overcounted_decisions`.
 """
 
 from __future__ import annotations
@@ -61,6 +69,9 @@ BLOCK_BYTES = 64 * KiB
 BLOCK_TOKENS = 16  # the decisions' block size: only the key chains matter here
 SHARED, OWN = 4, 4  # blocks of a prompt: a group's shared prefix, then its own
 GROUPS = 6
+# After a fault ends, decisions are made and checked for this long (at least until the index
+# has converged): longer than a tip's interval and the silence window's.
+WATCH_S = 4.0
 
 
 class _LossySubscriber(KvIndexSubscriber):
@@ -151,8 +162,22 @@ class _Workload:
             await asyncio.sleep(0)
 
 
+async def _held(nc: NATS, ns: Namespace, nodes: tuple[str, ...]) -> dict[str, set[str]]:
+    """What each node holds, as it says itself (its KV snapshot: the set its events
+    describe); a node that does not answer (dead) holds nothing reachable."""
+    subjects = p.Subjects(ns)
+    out: dict[str, set[str]] = {}
+    for node in nodes:
+        try:
+            resp = await nc.request(subjects.kv_snapshot(node), b"", timeout=0.5)
+            out[node] = set(p.KvSnapshotWire.model_validate_json(resp.data).keys)
+        except Exception:
+            out[node] = set()
+    return out
+
+
 async def _truth(nc: NATS, ns: Namespace, nodes: tuple[str, ...]) -> dict[str, set[str]]:
-    """What each node holds, as the master lists it."""
+    """What each node holds, as the master lists it (what a reader can be served)."""
     subjects = p.Subjects(ns)
     out: dict[str, set[str]] = {}
     for node in nodes:
@@ -214,12 +239,12 @@ async def run_index_bench(
     prompts: int = 120,
     drop_p: float = 0.01,
     fault_s: float = 10.0,
-    decisions: int = 300,
+    per_poll: int = 20,
     seed: int = 0,
     log: Log = print,
 ) -> dict[str, Any]:
-    if prompts < GROUPS or not 0 < drop_p < 1 or fault_s < 2 or decisions < 1:
-        raise ValueError("prompts >= 6, 0 < drop-p < 1, fault-s >= 2 and decisions >= 1")
+    if prompts < GROUPS or not 0 < drop_p < 1 or fault_s < 2 or per_poll < 1:
+        raise ValueError("prompts >= 6, 0 < drop-p < 1, fault-s >= 2 and per-poll >= 1")
     tmp = Path(tempfile.mkdtemp(prefix="mooncake-bench-index-"))
     secret = secrets.token_hex(16)
     ns = Namespace(NAMESPACE)
@@ -233,7 +258,7 @@ async def run_index_bench(
     chains = _prompts(prompts)
     result: dict[str, Any] = {
         "nodes": len(NODES), "prompts": prompts, "block_bytes": BLOCK_BYTES,
-        "drop_p": drop_p, "fault_s": fault_s, "decisions_per_check": decisions,
+        "drop_p": drop_p, "fault_s": fault_s, "decisions_per_poll": per_poll,
     }  # fmt: skip
 
     def spawn_master() -> ManagedProcess:
@@ -266,18 +291,52 @@ async def run_index_bench(
             faults: dict[str, dict[str, Any]] = {}
 
             async def settle(name: str, ended: float) -> None:
-                """With the workload paused (the truth holds still): the time from the
-                fault's end until every node's index is EXACT and holds exactly what the
-                master lists for it; then the decisions' check."""
-                truth: dict[str, set[str]] = {}
+                """With the workload paused (the truth holds still), from the fault's end:
+                every 50 ms the master's listing, each node's index state, and `per_poll`
+                decisions checked against that listing (and the naive index's, the same
+                way), for `WATCH_S` and at least until the index holds exactly the
+                listing. `resync_s`: until every node is EXACT again; decisions made while
+                they all are must assume no missing block (the target), the others exclude
+                the unsure nodes."""
+                rngs = [random.Random(seed) for _ in range(3)]
+                tally = dict.fromkeys(
+                    ("decisions_exact", "overcounted_exact", "decisions_resyncing",
+                     "overcounted_resyncing", "naive_overcounted", "assumed_blocks",
+                     "unservable_exact"), 0,
+                )  # fmt: skip
+                resync: float | None = None
+                converged: float | None = None
                 while True:
+                    # The nodes' own holdings are the index's truth; the master's listing,
+                    # what a reader can be served (a restarted master relearns it from the
+                    # nodes' re-mounts).
+                    held = await _held(nc, ns, NODES)
                     truth = await _truth(nc, ns, NODES)
-                    keys = set().union(*truth.values()) | set(index.keys())
+                    now = time.monotonic() - ended
                     exact = all(follower.state(n) is IndexState.EXACT for n in NODES)
-                    same = all(_indexed(index, keys, n) == truth[n] for n in NODES)
-                    if exact and same:
+                    if exact and resync is None:
+                        resync = now
+                    view = _view(follower, index)
+                    bad, assumed = overcounted(view, chains, held, per_poll, rngs[0])
+                    kind = "exact" if exact else "resyncing"
+                    tally[f"decisions_{kind}"] += per_poll
+                    tally[f"overcounted_{kind}"] += bad
+                    tally["assumed_blocks"] += assumed
+                    if exact:
+                        tally["unservable_exact"] += overcounted(
+                            view, chains, truth, per_poll, rngs[1]
+                        )[0]
+                    naive = _view(None, sub.naive)
+                    tally["naive_overcounted"] += overcounted(
+                        naive, chains, held, per_poll, rngs[2]
+                    )[0]
+                    keys = set().union(*held.values(), *truth.values()) | set(index.keys())
+                    same = all(_indexed(index, keys, n) == held[n] == truth[n] for n in NODES)
+                    if exact and same and converged is None:
+                        converged = now
+                    if converged is not None and now >= WATCH_S:
                         break
-                    if time.monotonic() - ended > 30.0:
+                    if now > 30.0:
                         diff = {
                             n: (sorted(_indexed(index, keys, n) - truth[n])[:5],
                                 sorted(truth[n] - _indexed(index, keys, n))[:5])
@@ -289,18 +348,12 @@ async def run_index_bench(
                             f"logs in {tmp / 'logs'}"
                         )
                     await asyncio.sleep(0.05)
-                resync = time.monotonic() - ended
-                view = _view(follower, index)
-                bad, assumed = overcounted(view, chains, truth, decisions, random.Random(seed))
-                naive_bad, _ = overcounted(
-                    _view(None, sub.naive), chains, truth, decisions, random.Random(seed)
-                )
-                held = set().union(*truth.values())
+                listed = set().union(*truth.values())
                 faults[name].update(
-                    resync_s=round(resync, 3), overcounted_decisions=bad,
-                    assumed_blocks=assumed, naive_overcounted_decisions=naive_bad,
+                    resync_s=round(resync if resync is not None else now, 3),
+                    converged_s=round(converged, 3), **tally,
                     blocks_held=sum(len(t) for t in truth.values()),
-                    ssd_only_blocks_indexed=sum(1 for k in held if index.ssd_holders(k)),
+                    ssd_only_blocks_indexed=sum(1 for k in listed if index.ssd_holders(k)),
                 )  # fmt: skip
                 log(f"{name}: {faults[name]}")
                 work.start()
@@ -354,11 +407,15 @@ async def run_index_bench(
             result["snapshots"] = sub.snapshots
             result["follower"] = dict(follower.stats)
             result["resync_s_max"] = max(f["resync_s"] for f in faults.values())
+            result["decisions_after_resync"] = sum(f["decisions_exact"] for f in faults.values())
             result["overcounted_decisions_after_resync"] = sum(
-                f["overcounted_decisions"] for f in faults.values()
+                f["overcounted_exact"] for f in faults.values()
+            )
+            result["overcounted_decisions_while_resyncing"] = sum(
+                f["overcounted_resyncing"] for f in faults.values()
             )
             result["naive_overcounted_decisions"] = sum(
-                f["naive_overcounted_decisions"] for f in faults.values()
+                f["naive_overcounted"] for f in faults.values()
             )
             return result
         finally:

@@ -61,7 +61,9 @@ def bench_index(
         float, typer.Option(min=0.0001, max=0.5, help="Share of KV event messages lost")
     ] = 0.01,
     fault_s: Annotated[float, typer.Option(min=2, help="Seconds of workload per phase")] = 10.0,
-    decisions: Annotated[int, typer.Option(min=1, help="Decisions checked per fault")] = 300,
+    per_poll: Annotated[
+        int, typer.Option(min=1, help="Decisions checked every 50 ms after a fault")
+    ] = 20,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The Conductor's KV index under faults (lost events, a master restart, a killed node)
@@ -70,7 +72,7 @@ def bench_index(
     from mooncake.bench.index import run_index_bench
 
     run = run_index_bench(
-        prompts=prompts, drop_p=drop_p, fault_s=fault_s, decisions=decisions, log=err.print
+        prompts=prompts, drop_p=drop_p, fault_s=fault_s, per_poll=per_poll, log=err.print
     )
     _run_stack_bench("index", run, as_json)
 
