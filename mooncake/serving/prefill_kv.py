@@ -277,7 +277,9 @@ async def _ensure_stored(
 
     A key refused as EXISTS was stored by an earlier request (or is being stored by a
     concurrent one: then it is complete soon). Anything else that did not land (a piece that
-    failed, no space at start) is put again whole from the KV we still hold.
+    failed, no space at start) is put again whole from the KV we still hold. A key refused
+    for its namespace's quota (every object of the namespace leased or in flight) is left
+    out: trying again would not help, and the decode computes a prompt's KV it cannot load.
     """
     missing = [t for t in targets if results.get(t.key) is not None]
     if not missing:
@@ -287,15 +289,23 @@ async def _ensure_stored(
     if not again:
         return
     bad: list[str] = []
+    over_quota = 0
     for batch in _batches(again, kv.pool.shape.page_bytes // kv.pool.page_tokens):
         # A batch's objects are serialized on their way out: bounded, not the whole prompt.
         items = _objects(kv, batch)
         refused = await store.put_many(items, preferred_segment=dest.segment, owner=dest.owner)
-        bad += [
-            f"{t.key}: {r.reason.value}"
-            for t, r in zip(batch, refused, strict=True)
-            if r is not None and r.reason is not Reason.EXISTS
-        ]
+        for t, r in zip(batch, refused, strict=True):
+            if r is None or r.reason is Reason.EXISTS:
+                continue
+            if r.reason is Reason.QUOTA:
+                over_quota += 1
+            else:
+                bad.append(f"{t.key}: {r.reason.value}")
+    if over_quota:
+        log.info(
+            "%d KV objects not stored: namespace %s is at its quota (the decode computes them)",
+            over_quota, dest.owner,
+        )  # fmt: skip
     if bad:
         raise KvWriteError(f"{len(bad)} KV objects could not be stored: {'; '.join(bad[:3])}")
 

@@ -333,6 +333,42 @@ async def test_a_put_beyond_a_namespace_quota_evicts_that_namespace_s_older_bloc
     assert restarted.state.usage_by_owner() == usage
 
 
+async def test_a_prefill_over_its_namespace_quota_completes_without_storing(
+    cluster: Cluster,
+) -> None:
+    """A namespace whose quota cannot hold a block: the prefill still answers (its blocks are
+    left out, the decode computes what it cannot load), it is not retried as a failure."""
+    import threading
+
+    from mooncake.engine import Engine, ModelSpec, dummy_model
+    from mooncake.serving.prefill_kv import prefill_with_store
+
+    a = cache_namespace("a", None)
+    await cluster.stop_master()
+    quota = {a: NamespaceQuota(dram_bytes=1024)}  # smaller than one block's KV
+    cluster.settings = cluster.settings.model_copy(update={"namespace_quotas": quota})
+    await cluster.start_master()
+    await cluster.add_node("n1")
+    client = cluster.client(("tcp",))
+    spec = ModelSpec(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, context=256)
+    engine = Engine(dummy_model(spec), block_tokens=16)
+    tokens = [i % 64 for i in range(40)]  # two whole blocks and a tail
+    done = await prefill_with_store(
+        engine, client, tokens, cached_blocks=0, tail_key="tail-a", preferred_segment=None,
+        cancelled=threading.Event(), namespace=a,
+    )  # fmt: skip
+    assert done.prefilled.logits is not None and done.written == []
+    assert await client.exists_many([*done.block_keys, "tail-a"]) == [False, False, False]
+    done.release()
+    # Another namespace, no quota: stored as usual.
+    done = await prefill_with_store(
+        engine, client, tokens, cached_blocks=0, tail_key="tail-b", preferred_segment=None,
+        cancelled=threading.Event(), namespace=cache_namespace("b", None),
+    )  # fmt: skip
+    assert await client.exists_many([*done.block_keys, "tail-b"]) == [True, True, True]
+    done.release()
+
+
 async def test_kv_index_follows_nodes_and_resyncs_after_a_gap(cluster: Cluster) -> None:
     node = await cluster.add_node("n1")
     index = BlockIndex()
