@@ -180,10 +180,11 @@ class ConductorSettings(BaseModel):
     # transport bandwidth and latency. KV bytes per token come from the engine settings.
     transfer_bytes_per_s: Annotated[float, Field(gt=0)] = 1e9
     transfer_latency_s: Annotated[float, Field(ge=0)] = 1e-3
-    # Reading KV a store node keeps only on its SSD tier, for a profiled deployment: measure
-    # it on the store's SSD directory with `mooncake profile ssd` (the default is one common
-    # NVMe drive's sequential read, not a measurement of yours).
-    ssd_read_bytes_per_s: Annotated[float, Field(gt=0)] = 2e9
+    # Reading KV a store node keeps only on its SSD tier: measure it on the store's SSD
+    # directory with `mooncake profile ssd`. None: the reference hardware's (no cost
+    # profile) or one common NVMe drive's sequential read (`DEFAULT_SSD_READ_BYTES_PER_S`,
+    # with a profile): assumptions, not measurements of yours.
+    ssd_read_bytes_per_s: Annotated[float | None, Field(gt=0)] = None
     # Algorithm 1's knob: take the pool's prefix when it is this many times the local one.
     balancing_threshold: Annotated[float, Field(ge=1.0)] = 2.0
     # `predicted` admission: the uniform decode time every request is assumed to take.

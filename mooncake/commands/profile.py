@@ -82,8 +82,9 @@ def profile_engine_cmd(
 @profile_app.command("ssd")
 def profile_ssd_cmd(
     directory: Annotated[
-        str, typer.Option("--dir", help="The store node's SSD directory (store.ssd_dir)")
-    ] = ".mooncake/ssd",
+        str | None,
+        typer.Option("--dir", help="The SSD directory (default: the settings' store.ssd_dir)"),
+    ] = None,
     size_mib: Annotated[int, typer.Option(min=1, help="Bytes to write and read back, MiB")] = 256,
     chunk_kib: Annotated[int, typer.Option(min=4, help="One read, KiB (a KV block)")] = 1024,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout")] = False,
@@ -92,8 +93,12 @@ def profile_ssd_cmd(
     setting that makes the Conductor charge SSD reads at that speed."""
     from pathlib import Path
 
+    from mooncake.config import load_settings
     from mooncake.store.ssd_probe import probe_ssd
 
+    if directory is None:  # where the workers put it (serving/local_store.py)
+        settings = load_settings()
+        directory = str(settings.store.ssd_dir or settings.data_dir / "ssd")
     try:
         probe = probe_ssd(Path(directory), size_mib << 20, chunk_kib << 10)
     except OSError as exc:

@@ -33,6 +33,9 @@ from mooncake.core.tenancy import TenantShares
 HARDWARE = {"8xA800": A800_X8, "8xH800": H800_X8}
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; the engine keeps KV in float32 on CPU.
 SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+# SSD reads with a cost profile and no measured speed: one common NVMe drive's sequential
+# read (an assumption; `mooncake profile ssd` measures yours).
+DEFAULT_SSD_READ_BYTES_PER_S = 2e9
 
 
 def conductor_config(settings: Settings) -> ConductorConfig:
@@ -68,8 +71,8 @@ def costs_from_profile(doc: dict[str, Any], settings: Settings, hidden: int | No
     c = settings.conductor
     kv_bytes = kv_bytes_per_token(settings.engine)
     transfer = TransferModel(c.transfer_bytes_per_s, c.transfer_latency_s, kv_bytes)
-    ssd = TransferModel(c.ssd_read_bytes_per_s, SSD_LATENCY_S, kv_bytes)
-    costs = Costs(fitted, fitted, transfer, ssd=ssd)
+    ssd_speed = c.ssd_read_bytes_per_s or DEFAULT_SSD_READ_BYTES_PER_S
+    costs = Costs(fitted, fitted, transfer, ssd=TransferModel(ssd_speed, SSD_LATENCY_S, kv_bytes))
     return _maybe_online(costs, settings, hidden, pre, dec)
 
 
@@ -81,6 +84,8 @@ def build_costs(settings: Settings, hidden: int | None = None) -> Costs:
     path = settings.conductor.cost_profile
     if path is None:
         ref = reference_costs(HARDWARE[settings.conductor.reference_hardware])
+        if (speed := settings.conductor.ssd_read_bytes_per_s) is not None and ref.ssd:
+            ref = replace(ref, ssd=replace(ref.ssd, bandwidth_bytes_per_s=speed))
         return _maybe_online(ref, settings, hidden)
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)

@@ -68,6 +68,11 @@ def test_costs_default_to_the_reference_hardware_corrected_online() -> None:
     h800 = build_costs(Settings(conductor=fixed))
     assert online_model(h800) is None
     assert isinstance(h800.prefill, AnalyticCostModel) and h800.prefill.hw.name == "8xH800"
+    # The reference hardware's SSD read speed (an assumption), unless one was measured.
+    assert costs.ssd is not None and costs.ssd.bandwidth_bytes_per_s == 24e9
+    measured = build_costs(Settings(conductor=ConductorSettings(ssd_read_bytes_per_s=1.5e9)))
+    assert measured.ssd is not None and measured.ssd.bandwidth_bytes_per_s == 1.5e9
+    assert measured.ssd.bytes_per_token == costs.ssd.bytes_per_token
 
 
 def test_costs_from_a_profile_fit_it(tmp_path: Path) -> None:
@@ -105,6 +110,12 @@ def test_costs_from_a_profile_fit_it(tmp_path: Path) -> None:
     assert isinstance(build_costs(offline).prefill, FittedCostModel)
     assert costs.transfer.bandwidth_bytes_per_s == 2e9
     assert costs.transfer.bytes_per_token == kv_bytes_per_token(s.engine)
+    # SSD reads: one NVMe drive's until measured; the online model keeps the seed's.
+    assert costs.ssd is not None and costs.ssd.bandwidth_bytes_per_s == 2e9
+    assert costs.ssd.bytes_per_token == kv_bytes_per_token(s.engine)
+    measured = ConductorSettings(cost_profile=path, ssd_read_bytes_per_s=5e8)
+    ssd = build_costs(Settings(engine=EngineSettings(model="dummy"), conductor=measured)).ssd
+    assert ssd is not None and ssd.bandwidth_bytes_per_s == 5e8
     path.write_text(json.dumps({**doc, "schema": "other/9"}))
     with pytest.raises(ValueError):
         build_costs(s)
