@@ -25,7 +25,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from nats.js.api import KeyValueConfig, PubAck, StorageType
@@ -99,6 +99,10 @@ Plan = Retry | tuple[ev.RequestRejected, str] | tuple[ev.RequestAdmitted, Prefil
 
 async def _none() -> None:
     return None
+
+
+def _not_exact(states: Mapping[str, tuple[IndexState, float]]) -> dict[str, str]:
+    return {n: state.value for n, (state, _) in states.items() if state is not IndexState.EXACT}
 
 
 def _failed(span: trace.Span, exc: BaseException) -> Outcome:
@@ -561,13 +565,10 @@ class Conductor:
             "kv_index": {
                 "unsure_nodes": sorted(self.view.unsure_nodes),
                 "unsure_instances": sorted(self.view.unsure_instances),
-                # ... and the state each of those was in (resyncing, degraded).
-                "states": {
-                    n: state.value
-                    for subscriber in (self.feed.kv, self.feed.engine_kv)
-                    for n, (state, _) in subscriber.states.items()
-                    if state is not IndexState.EXACT
-                },
+                # ... and the state each of those was in (resyncing, degraded): store nodes
+                # and engine tiers apart (a worker's node and its engine share its id).
+                "node_states": _not_exact(self.feed.kv.states),
+                "instance_states": _not_exact(self.feed.engine_kv.states),
             },
         }
 

@@ -796,9 +796,13 @@ async def test_a_decision_records_which_kv_indexes_it_read_as_not_exact(
         cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
         await known(conductor, "p1", "d1")
         conductor.feed.kv.states["n1"] = (IndexState.RESYNCING, 0.0)
+        conductor.feed.engine_kv.states["n1"] = (IndexState.EXACT, 0.0)  # same id, apart
+        conductor.feed.engine_kv.states["p1"] = (IndexState.DEGRADED, 0.0)
         conductor.view.unsure_nodes = frozenset({"n1"})
         await cl.submit("r-unsure", token_ids=tokens(100))
         out = await cl.outcome("r-unsure")
-        assert out["inputs"]["kv_index"]["unsure_nodes"] == ["n1"], out["inputs"]
-        assert out["inputs"]["kv_index"]["states"] == {"n1": "resyncing"}
+        kv_index = out["inputs"]["kv_index"]
+        assert kv_index["unsure_nodes"] == ["n1"], out["inputs"]
+        assert kv_index["node_states"] == {"n1": "resyncing"}
+        assert kv_index["instance_states"] == {"p1": "degraded"}
         assert out["inputs"]["ssd_prefix_blocks"] == 0
