@@ -97,11 +97,7 @@ def summarize(
     cached = sum(int(p.get("cached_tokens", 0)) for p in prefilled.values())
     remote = sum(int(p.get("remote_cached_tokens", 0)) for p in prefilled.values())
     slo = settings.slo
-    good = [
-        o
-        for o in completed
-        if (o.ttft_s or 0) <= slo.ttft_s and (o.tbt_s is None or o.tbt_s <= slo.tbt_s)
-    ]
+    good = [o for o in completed if slo.met_by(o.ttft_s, o.tbt_s)]
     return {
         "requests": len(outcomes),
         "admitted": sum(o.admitted for o in outcomes),

@@ -45,7 +45,7 @@ from mooncake.bench.memory import (
     wait_ready,
 )
 from mooncake.bench.record import read_record, rows
-from mooncake.config import Settings
+from mooncake.config import SLO, Settings
 from mooncake.stack import Stack
 
 Log = Callable[[str], None]
@@ -234,8 +234,7 @@ async def _flood(
 
 
 def _good(o: Any, ttft_slo_s: float, tbt_slo_s: float) -> bool:
-    return bool(o.finished and o.ttft_s is not None and o.ttft_s <= ttft_slo_s
-                and (o.tbt_s is None or o.tbt_s <= tbt_slo_s))  # fmt: skip
+    return bool(o.finished) and SLO(ttft_s=ttft_slo_s, tbt_s=tbt_slo_s).met_by(o.ttft_s, o.tbt_s)
 
 
 def flood_figures(
