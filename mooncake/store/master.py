@@ -133,6 +133,8 @@ class StoreMaster:
         if self.publisher is not None:
             self._spawn(self._journal_loop())
         await self.nc.flush()
+        # Nodes of an earlier life of this master mount again now (they hold the objects).
+        await self._notify(self.subjects.master_hello(), p.OkReply())
         log.info("store master up")
 
     async def stop(self) -> None:

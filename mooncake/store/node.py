@@ -83,6 +83,7 @@ class StoreNode:
         self._resync_lock = asyncio.Lock()
         self._stopping = False
         self._mounted = asyncio.Event()
+        self._mount_lock = asyncio.Lock()
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -117,6 +118,7 @@ class StoreNode:
             await self.nc.subscribe(sub.node(cfg.node_id, "move"), cb=self._on_move),
             await self.nc.subscribe(sub.node(cfg.node_id, "changes"), cb=self._on_changes),
             await self.nc.subscribe(sub.kv_snapshot(cfg.node_id), cb=self._on_snapshot),
+            await self.nc.subscribe(sub.master_hello(), cb=self._on_master_hello),
         ]
         await self.nc.flush()
         self._spawn(self._tip_loop())  # from the start: a new life's tip drops the old one's
@@ -179,8 +181,21 @@ class StoreNode:
         )
         return bytes(resp.data)
 
+    async def _on_master_hello(self, msg: Msg) -> None:
+        """A master (re)started: mount again now rather than at the next heartbeat (unless
+        a mount is under way)."""
+        if self._mounted.is_set() and not self._mount_lock.locked():
+            self._spawn(self._mount())
+
     async def _mount(self) -> None:
-        """Mount every segment and report what they hold; retried until a master answers."""
+        """Mount every segment and report what they hold; retried until a master answers.
+        One at a time: a mount that finds another under way leaves it to that one."""
+        if self._mount_lock.locked():
+            return
+        async with self._mount_lock:
+            await self._mount_once()
+
+    async def _mount_once(self) -> None:
         objects = [o for by_seg in self.held.values() for o in by_seg.values()]
         req = p.MountRequest(
             node_id=self.config.node_id, segments=self.segment_infos(), objects=objects

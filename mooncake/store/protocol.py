@@ -9,6 +9,7 @@ Subjects (canonical, namespaced like everything else, see `subjects`):
   own segments (SSD offload on eviction, promotion on hit);
 - `mc.store.node.<node>.changes`: the master tells a node which objects its segments hold now
   (per-node sequence numbers; a gap makes the node fetch `node_objects`);
+- `mc.store.hello`: a master that (re)starts asks every node to mount again;
 - `mc.kv.events.<node>` / `mc.kv.snapshot.<node>`: a node's KV index events and snapshots.
 - `mc.kv.index.state`: the Conductor's view of every node's KV index (exact, resyncing,
   degraded, since when), for `mooncake up`'s status table and benches.
@@ -282,6 +283,11 @@ class Subjects:
 
     def master_all(self) -> str:
         return self.ns.subject("mc.store.*")
+
+    def master_hello(self) -> str:
+        """A master that (re)starts says so: every node mounts again at once, instead of at
+        its next heartbeat, so the master knows their objects sooner."""
+        return self.ns.subject("mc.store.hello")
 
     def node(self, node_id: str, what: Literal["move", "changes"]) -> str:
         return self.ns.subject(f"mc.store.node.{node_id}.{what}")

@@ -389,6 +389,16 @@ async def test_store_control_plane_request_reply(broker: str, admin: NATS) -> No
         assert (await master.request(STORE.node("n0", "move"), b"{}", timeout=3)).data
         await master.publish(STORE.node("n0", "changes"), b"{}")
         await node.publish(STORE.kv_events("n0"), b"{}")
+        # a (re)started master asks every node to mount again
+        hello: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def heard(msg: Msg) -> None:
+            await hello.put(msg.data)
+
+        await node.subscribe(STORE.master_hello(), cb=heard)
+        await node.flush()
+        await master.publish(STORE.master_hello(), b"{}")
+        assert await asyncio.wait_for(hello.get(), 3) == b"{}"
         conductor = await as_role(broker, "conductor")
         try:
             assert (await conductor.request(STORE.kv_snapshot("n0"), b"", timeout=3)).data

@@ -65,6 +65,7 @@ class Cluster:
         dram: int = 8 * MiB,
         ssd: int = 0,
         transports: tuple[str, ...] = ("tcp",),
+        heartbeat_s: float = 0.1,
     ) -> StoreNode:
         cfg = NodeConfig(
             node_id=node_id,
@@ -73,7 +74,7 @@ class Cluster:
             ssd_bytes=ssd,
             ssd_dir=self.tmp / "ssd",
             transports=transports,
-            heartbeat_s=0.1,
+            heartbeat_s=heartbeat_s,
             request_timeout_s=2.0,
         )
         node = StoreNode(self.nc, self.ns, cfg)
@@ -231,6 +232,21 @@ async def test_master_restart_finds_objects_again(cluster: Cluster) -> None:
     await wait_for(lambda: client.exists("r0"), 5, "the node to re-mount")
     got = await client.get_many([k for k, _ in items])
     assert [bytes(g) if g is not None else None for g in got] == [d for _, d in items]
+
+
+async def test_a_restarted_master_knows_the_nodes_objects_before_their_heartbeat(
+    cluster: Cluster,
+) -> None:
+    """The master says hello when it starts: the nodes mount again at once, not at their next
+    heartbeat, so their objects can be served again within moments."""
+    node = await cluster.add_node("n1", heartbeat_s=30.0)  # none in this test's time
+    client = cluster.client(("tcp",))
+    assert await client.put("h0", b"x" * 1000) is None
+    await wait_for(lambda: _async("h0" in node.held), 5, "the node to learn h0")
+    await cluster.stop_master()
+    await cluster.start_master()
+    await wait_for(lambda: client.exists("h0"), 2, "the restarted master to know h0")
+    assert node.stats.mounts == 2
 
 
 async def test_ssd_tier_offload_and_promotion(cluster: Cluster) -> None:
