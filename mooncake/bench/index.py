@@ -16,20 +16,21 @@ Three faults, one after another, each while the workload runs:
 
 A fault *ends* when the drops stop, the master is back, the node is back; the workload then
 pauses so that the truth holds still. From then on, every 50 ms for 4 s (and at least until
-the index has converged), the bench reads each node's holdings, the master's listing of each
-node (`node_objects`) and each node's index state, and makes `per_poll` decisions for
-prompts of the workload; each block a decision assumes (its instance's local prefix, the
-pool's prefix it would fetch) is checked against what the nodes hold (each node's own
-snapshot; a dead node holds nothing). `resync_s`: from the end until every node is EXACT;
-`converged_s`: until the index, the nodes and the master's listing all agree.
-`unservable_exact`: decisions made while every node was EXACT that assumed a block its node
-holds but the master could not serve yet (a restarted master relearns the objects from the
-nodes' re-mounts). `overcounted_decisions_after_resync` counts the decisions made while
-every node was EXACT that assumed a block not there: the Conductor trusts an EXACT index, so
-a lost batch not yet seen (no later batch, no tip yet) would show here. Decisions made while
-a node was not EXACT exclude its blocks (`overcounted_decisions_while_resyncing`). The same
-decisions over a naive index in the same run (every received batch applied, no gap
-detection, snapshots, tips or silence) show that the check can fail:
+the index has caught up), the bench reads each node's holdings (its own KV snapshot; a dead
+node holds nothing), the master's listing of each node (`node_objects`) and each node's
+index state, and makes `per_poll` decisions for prompts of the workload; each block a
+decision assumes (its instance's local prefix, the pool's prefix it would fetch) is checked
+against what the nodes hold. `resync_s`: from the end until every node is EXACT and the
+index holds exactly what the nodes hold; `exact_s`: until every node merely says EXACT (a
+loss not yet seen, with no later batch and no tip yet, leaves a node EXACT but behind);
+`master_caught_up_s`: until the master lists what the nodes hold (a restarted master
+relearns it from their re-mounts). Decisions are counted by when they were made: while a
+node was not EXACT (its blocks excluded: `overcounted_decisions_while_resyncing`), while
+every node said EXACT before the index caught up (`overcounted_decisions_stale_exact`), and
+after it caught up (`overcounted_decisions_after_resync`: the index must not fall behind
+again). `unservable_exact`: decisions assuming a block its node holds but the master could
+not serve yet. The same decisions over a naive index in the same run (every received batch
+applied, no gap detection, snapshots, tips or silence) show that the checks can fail:
 `naive_overcounted_decisions`.
 """
 
@@ -117,6 +118,7 @@ class _Workload:
         self.ops = self.errors = 0
         self._go = asyncio.Event()
         self._parked = asyncio.Event()
+        self._stopping = False
         self._payload = bytes(BLOCK_BYTES)
         self._task: asyncio.Task[None] | None = None
 
@@ -131,9 +133,14 @@ class _Workload:
         await asyncio.wait_for(self._parked.wait(), 30)
 
     async def stop(self) -> None:
-        if self._task is not None:
+        """Ends the loop: by its flag at its next op, and by cancelling it until it is done (on
+        Python 3.11 a cancel that lands as a request's reply arrives can be swallowed by the
+        client's wait_for, and the loop would go on)."""
+        self._stopping = True
+        self._go.set()  # a paused loop wakes to see the flag
+        while self._task is not None and not self._task.done():
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait({self._task}, timeout=1.0)
 
     def _pick(self) -> tuple[str, ...]:
         # Zipf-like: a few hot prompts, a long tail.
@@ -141,7 +148,7 @@ class _Workload:
         return self.prompts[(i * 7919) % len(self.prompts)]
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             if not self._go.is_set():
                 self._parked.set()
                 await self._go.wait()
@@ -299,13 +306,18 @@ async def run_index_bench(
                 they all are must assume no missing block (the target), the others exclude
                 the unsure nodes."""
                 rngs = [random.Random(seed) for _ in range(3)]
+                # Decisions by when they were made: while a node was not EXACT; while every
+                # node said EXACT but the index had not caught up yet (a loss not yet seen:
+                # no later batch, no tip yet); after the index caught up (`resync_s`).
                 tally = dict.fromkeys(
-                    ("decisions_exact", "overcounted_exact", "decisions_resyncing",
-                     "overcounted_resyncing", "naive_overcounted", "assumed_blocks",
+                    ("decisions_resyncing", "overcounted_resyncing", "decisions_stale_exact",
+                     "overcounted_stale_exact", "decisions_after_resync",
+                     "overcounted_after_resync", "naive_overcounted", "assumed_blocks",
                      "unservable_exact"), 0,
                 )  # fmt: skip
-                resync: float | None = None
-                converged: float | None = None
+                exact_at: float | None = None
+                converged: float | None = None  # the index holds what the nodes hold
+                master_at: float | None = None  # the master lists what the nodes hold
                 while True:
                     # The nodes' own holdings are the index's truth; the master's listing,
                     # what a reader can be served (a restarted master relearns it from the
@@ -314,11 +326,14 @@ async def run_index_bench(
                     truth = await _truth(nc, ns, NODES)
                     now = time.monotonic() - ended
                     exact = all(follower.state(n) is IndexState.EXACT for n in NODES)
-                    if exact and resync is None:
-                        resync = now
+                    if exact and exact_at is None:
+                        exact_at = now
                     view = _view(follower, index)
                     bad, assumed = overcounted(view, chains, held, per_poll, rngs[0])
-                    kind = "exact" if exact else "resyncing"
+                    kind = (
+                        "resyncing" if not exact
+                        else "after_resync" if converged is not None else "stale_exact"
+                    )  # fmt: skip
                     tally[f"decisions_{kind}"] += per_poll
                     tally[f"overcounted_{kind}"] += bad
                     tally["assumed_blocks"] += assumed
@@ -331,10 +346,12 @@ async def run_index_bench(
                         naive, chains, held, per_poll, rngs[2]
                     )[0]
                     keys = set().union(*held.values(), *truth.values()) | set(index.keys())
-                    same = all(_indexed(index, keys, n) == held[n] == truth[n] for n in NODES)
-                    if exact and same and converged is None:
+                    caught_up = all(_indexed(index, keys, n) == held[n] for n in NODES)
+                    if exact and caught_up and converged is None:
                         converged = now
-                    if converged is not None and now >= WATCH_S:
+                    if master_at is None and all(held[n] == truth[n] for n in NODES):
+                        master_at = now
+                    if converged is not None and master_at is not None and now >= WATCH_S:
                         break
                     if now > 30.0:
                         diff = {
@@ -350,8 +367,9 @@ async def run_index_bench(
                     await asyncio.sleep(0.05)
                 listed = set().union(*truth.values())
                 faults[name].update(
-                    resync_s=round(resync if resync is not None else now, 3),
-                    converged_s=round(converged, 3), **tally,
+                    resync_s=round(converged, 3),
+                    exact_s=round(exact_at if exact_at is not None else now, 3),
+                    master_caught_up_s=round(master_at, 3), **tally,
                     blocks_held=sum(len(t) for t in truth.values()),
                     ssd_only_blocks_indexed=sum(1 for k in listed if index.ssd_holders(k)),
                 )  # fmt: skip
@@ -407,22 +425,25 @@ async def run_index_bench(
             result["snapshots"] = sub.snapshots
             result["follower"] = dict(follower.stats)
             result["resync_s_max"] = max(f["resync_s"] for f in faults.values())
-            result["decisions_after_resync"] = sum(f["decisions_exact"] for f in faults.values())
-            result["overcounted_decisions_after_resync"] = sum(
-                f["overcounted_exact"] for f in faults.values()
-            )
-            result["overcounted_decisions_while_resyncing"] = sum(
-                f["overcounted_resyncing"] for f in faults.values()
-            )
-            result["naive_overcounted_decisions"] = sum(
-                f["naive_overcounted"] for f in faults.values()
-            )
+            for key, of in (
+                ("decisions_after_resync", "decisions_after_resync"),
+                ("overcounted_decisions_after_resync", "overcounted_after_resync"),
+                ("overcounted_decisions_stale_exact", "overcounted_stale_exact"),
+                ("overcounted_decisions_while_resyncing", "overcounted_resyncing"),
+                ("naive_overcounted_decisions", "naive_overcounted"),
+            ):
+                result[key] = sum(f[of] for f in faults.values())
             return result
         finally:
-            await work.stop()
-            await sub.stop()
-            await client.close()
-            await nc.drain()
+            # Each within a bound: a step stuck on a dead peer must not hold the run (or its
+            # processes, which are stopped below) forever.
+            steps = (("workload", work.stop()), ("subscriber", sub.stop()),
+                     ("client", client.close()), ("broker connection", nc.drain()))  # fmt: skip
+            for what, step in steps:
+                try:
+                    await asyncio.wait_for(step, 10)
+                except Exception as exc:
+                    log(f"stopping the {what}: {type(exc).__name__} {exc}")
     finally:
         for proc in (*nodes.values(), *([master] if master else [])):
             await asyncio.to_thread(proc.stop)

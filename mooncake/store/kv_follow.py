@@ -33,10 +33,10 @@ from mooncake.store.kv_index import (
 log = logging.getLogger("mooncake.store.kv_follow")
 
 # Producers tip every TIP_EVERY_S (a store node on a timer of its own, an engine tier at
-# each idle announcement, more often): one not heard of for SILENT_S is dead or cut off, and
+# each idle announcement, as often): one not heard of for SILENT_S is dead or cut off, and
 # its blocks unknown.
-TIP_EVERY_S = 1.0
-SILENT_S = 3 * TIP_EVERY_S
+TIP_EVERY_S = 0.25  # a lost last batch is seen within this (a message per node each time)
+SILENT_S = 3.0
 
 
 class KvIndexSubscriber:
