@@ -328,6 +328,12 @@ async def run_index_bench(
                     exact = all(follower.state(n) is IndexState.EXACT for n in NODES)
                     if exact and exact_at is None:
                         exact_at = now
+                    keys = set().union(*held.values(), *truth.values()) | set(index.keys())
+                    caught_up = all(_indexed(index, keys, n) == held[n] for n in NODES)
+                    if exact and caught_up and converged is None:
+                        converged = now
+                    if master_at is None and all(held[n] == truth[n] for n in NODES):
+                        master_at = now
                     view = _view(follower, index)
                     bad, assumed = overcounted(view, chains, held, per_poll, rngs[0])
                     kind = (
@@ -345,12 +351,6 @@ async def run_index_bench(
                     tally["naive_overcounted"] += overcounted(
                         naive, chains, held, per_poll, rngs[2]
                     )[0]
-                    keys = set().union(*held.values(), *truth.values()) | set(index.keys())
-                    caught_up = all(_indexed(index, keys, n) == held[n] for n in NODES)
-                    if exact and caught_up and converged is None:
-                        converged = now
-                    if master_at is None and all(held[n] == truth[n] for n in NODES):
-                        master_at = now
                     if converged is not None and master_at is not None and now >= WATCH_S:
                         break
                     if now > 30.0:
