@@ -221,14 +221,17 @@ def prefix_tokens(blocks: int, prompt_tokens: int, block_tokens: int) -> int:
 
 def _prefill_candidates(
     view: ClusterView, req: ScheduleRequest, cfg: ConductorConfig, costs: Costs, now: float
-) -> tuple[PrefixMatch, tuple[PrefillCandidate, ...]]:
+) -> tuple[PrefixMatch, tuple[PrefillCandidate, ...], dict[str, int]]:
+    """The match, each prefill instance's candidate row, and how many of the blocks each
+    would load come from an SSD."""
     match = view.blocks.match(req.keys, view.unsure_nodes)
     best = match.best_blocks
     node_blocks = match.node_blocks
     prompt = req.prompt_tokens
     # Memo per (local prefix, of it on SSD): few distinct values among many instances.
-    option_of: dict[tuple[int, int], tuple[int, float, float]] = {}
+    option_of: dict[tuple[int, int], tuple[int, float, float, int]] = {}
     out: list[PrefillCandidate] = []
+    ssd_of: dict[str, int] = {}
     for p in view.prefill_order:
         local = view.local_blocks(req.keys, p, node_blocks.get(p.node, 0))
         local_ssd = view.local_ssd_blocks(req.keys, p, local)
@@ -238,10 +241,10 @@ def _prefill_candidates(
             option = option_of[(local, local_ssd)] = _prefix_option(
                 local, best, prompt, cfg, costs, local_ssd, pool_ssd
             )
-        prefix, load, t_prefill = option
+        prefix, load, t_prefill, ssd_of[p.id] = option
         queue = p.queue_s(now)
         out.append((p.id, local, prefix, load, queue, load + queue + t_prefill))
-    return match, tuple(out)
+    return match, tuple(out), ssd_of
 
 
 def _prefix_option(
@@ -252,22 +255,22 @@ def _prefix_option(
     costs: Costs,
     local_ssd: int = 0,
     pool_ssd: int = 0,
-) -> tuple[int, float, float]:
-    """(prefix blocks, load s, prefill s) for an instance holding `local` blocks when the
-    pool holds `best`: the threshold rule of the module docstring. Loading counts the
-    transfer from the pool and the SSD reads of blocks held only on SSD (`local_ssd` of the
-    local ones, `pool_ssd` of the pool's others)."""
+) -> tuple[int, float, float, int]:
+    """(prefix blocks, load s, prefill s, blocks read from SSD) for an instance holding
+    `local` blocks when the pool holds `best`: the threshold rule of the module docstring.
+    Loading counts the transfer from the pool and the SSD reads of blocks held only on SSD
+    (`local_ssd` of the local ones, `pool_ssd` of the pool's others)."""
     bt = cfg.block_tokens
     local_load = costs.ssd_s(prefix_tokens(local_ssd, prompt, bt))
     recompute = costs.prefill.prefill_s(prompt, prefix_tokens(local, prompt, bt))
     if not cfg.pool_fetch or best <= local:
-        return local, local_load, recompute
+        return local, local_load, recompute, local_ssd
     transfer = costs.transfer.transfer_s(prefix_tokens(best - local, prompt, bt))
     load = transfer + costs.ssd_s(prefix_tokens(local_ssd + pool_ssd, prompt, bt))
     fetched = costs.prefill.prefill_s(prompt, prefix_tokens(best, prompt, bt))
     if best > cfg.balancing_threshold * local or load + fetched < local_load + recompute:
-        return best, load, fetched
-    return local, local_load, recompute
+        return best, load, fetched, local_ssd + pool_ssd
+    return local, local_load, recompute, local_ssd
 
 
 def batch_tbt_s(view: ClusterView, costs: Costs, batch: int, context_tokens: int) -> float:
@@ -331,7 +334,7 @@ def choose(
     view: ClusterView, req: ScheduleRequest, cfg: ConductorConfig, costs: Costs, now: float
 ) -> Choice | None:
     """Algorithm 1's selection; None when no prefill or no decode instance can take it."""
-    match, candidates = _prefill_candidates(view, req, cfg, costs, now)
+    match, candidates, ssd_of = _prefill_candidates(view, req, cfg, costs, now)
     decodes = _decode_candidates(view, req.prompt_tokens, costs)
     if not candidates or not decodes:
         return None
@@ -342,9 +345,6 @@ def choose(
     if prefix > local:  # p takes the pool's longest prefix: it keeps a copy of the blocks
         copy = CopyBlocks(p.node, req.keys[local:prefix], tuple(sorted(match.full_holders)))
     tokens = prefix_tokens(prefix, req.prompt_tokens, cfg.block_tokens)
-    ssd = view.local_ssd_blocks(req.keys, p, local)
-    if prefix > local:
-        ssd += view.blocks.pool_ssd_blocks(req.keys, local, prefix, view.unsure_nodes)
     tbt = batch_tbt_s(view, costs, d.batch + 1, d.context_tokens + req.prompt_tokens)
     t_prefill, members = ttft - transfer - queue, tuple[str, ...]()
     if (g := group_for(view, p, tokens, req.prompt_tokens, queue, cfg, costs, now)) is not None:
@@ -352,7 +352,7 @@ def choose(
         ttft = transfer + queue + t_prefill
     return Choice(
         req, now, p, d, local, match.best_blocks, prefix, tokens, transfer, queue,
-        t_prefill, ttft, tbt, copy, candidates, decodes, members, ssd,
+        t_prefill, ttft, tbt, copy, candidates, decodes, members, ssd_of[pid],
     )  # fmt: skip
 
 
