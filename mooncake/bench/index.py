@@ -50,6 +50,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from mooncake.aio import cancel_all
 from mooncake.bench.store import spawn_store_role, wait_store_ready
 from mooncake.core import cluster as cl
 from mooncake.core.block_index import BlockIndex
@@ -118,7 +119,6 @@ class _Workload:
         self.ops = self.errors = 0
         self._go = asyncio.Event()
         self._parked = asyncio.Event()
-        self._stopping = False
         self._payload = bytes(BLOCK_BYTES)
         self._task: asyncio.Task[None] | None = None
 
@@ -133,14 +133,8 @@ class _Workload:
         await asyncio.wait_for(self._parked.wait(), 30)
 
     async def stop(self) -> None:
-        """Ends the loop: by its flag at its next op, and by cancelling it until it is done (on
-        Python 3.11 a cancel that lands as a request's reply arrives can be swallowed by the
-        client's wait_for, and the loop would go on)."""
-        self._stopping = True
-        self._go.set()  # a paused loop wakes to see the flag
-        while self._task is not None and not self._task.done():
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=1.0)
+        if self._task is not None:
+            await cancel_all([self._task])
 
     def _pick(self) -> tuple[str, ...]:
         # Zipf-like: a few hot prompts, a long tail.
@@ -148,7 +142,7 @@ class _Workload:
         return self.prompts[(i * 7919) % len(self.prompts)]
 
     async def _loop(self) -> None:
-        while not self._stopping:
+        while True:
             if not self._go.is_set():
                 self._parked.set()
                 await self._go.wait()

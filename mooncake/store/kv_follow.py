@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from mooncake.aio import cancel_all
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
 from mooncake.store.kv_index import (
@@ -87,9 +88,7 @@ class KvIndexSubscriber:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(list(self._tasks))  # a snapshot retry loop may swallow one cancel
 
     def drop_node(self, node_id: str) -> None:
         """The node is gone: its blocks leave the index and its state is no longer known
