@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from mooncake import events as ev
 from mooncake import metrics
-from mooncake.bus.publish import MSG_ID, Publisher
+from mooncake.bus.publish import MSG_ID, Publisher, retry_transient
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.namespace import Namespace
 from mooncake.work import TokenBatch, TokenChunk, WorkSubjects, owner_digest
@@ -270,17 +270,29 @@ class Stored:
     pending: int
 
 
+# How long opening a read of the copy rides out a broker failing over: the stream's new leader
+# is elected in seconds, and each try of the consumer's creation waits up to the JetStream
+# API timeout (5 s).
+OPEN_WITHIN_S = 20.0
+
+
 async def stored_batches(
-    js: JetStreamContext, ns: Namespace, request_id: str, *, idle_timeout_s: float
-) -> AsyncGenerator[Stored, None]:
+    js: JetStreamContext, ns: Namespace, request_id: str, *, idle_timeout_s: float,
+    open_within_s: float = OPEN_WITHIN_S,
+) -> AsyncGenerator[Stored, None]:  # fmt: skip
     """The request's copy, batch by batch as stored and then as it grows, until nothing has
-    arrived for `idle_timeout_s`. Unreadable messages are skipped (and logged)."""
+    arrived for `idle_timeout_s`. Unreadable messages are skipped (and logged). Opening the
+    read rides out a leader election of MC_TOKENS for `open_within_s`."""
     subject = WorkSubjects(ns).tokens(request_id)
-    # An ordered consumer: ephemeral, no acks, recreated by the client across a reconnect.
-    sub = await js.subscribe(
-        subject, stream=ns.stream("MC_TOKENS"), ordered_consumer=True,
-        deliver_policy=DeliverPolicy.ALL,
-    )  # fmt: skip
+
+    async def open_read() -> JetStreamContext.PushSubscription:
+        # An ordered consumer: ephemeral, no acks, recreated by the client across a reconnect.
+        return await js.subscribe(
+            subject, stream=ns.stream("MC_TOKENS"), ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+        )  # fmt: skip
+
+    sub = await retry_transient(open_read, open_within_s)
     try:
         while True:
             try:
