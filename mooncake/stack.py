@@ -1,6 +1,7 @@
 """Bring up the whole system on one machine: what is missing of the infrastructure, the
-migrations, and one process per worker role. Used by `mooncake up`, `mooncake demo` and
-the end-to-end tests (which kill and restart the pieces)."""
+migrations, and one process per worker role. Used by `mooncake up`, `mooncake demo`, the
+benches that run the real processes (memory, isolation, overload) and the end-to-end tests
+(which kill and restart the pieces)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeAlias
 from urllib.parse import urlparse
 
 import psutil
@@ -31,9 +33,11 @@ from mooncake.store.protocol import KvIndexReport
 
 log = logging.getLogger(__name__)
 
-# The whole system on one machine, in start order: (role, instances). Prefill and decode
-# workers each pool their own DRAM into the store (an embedded store node).
-LAYOUT: tuple[tuple[str, int], ...] = (
+# (role, instances) in start order.
+Layout: TypeAlias = tuple[tuple[str, int], ...]
+# The whole system on one machine (`mooncake up`'s): prefill and decode workers each pool
+# their own DRAM into the store (an embedded store node).
+LAYOUT: Layout = (
     ("recorder", 1),
     ("store-master", 1),
     ("conductor", 1),
@@ -42,12 +46,32 @@ LAYOUT: tuple[tuple[str, int], ...] = (
     # The OpenAI-compatible HTTP API (gateway.port, 8000 unless configured or taken).
     ("gateway", 1),
 )
-ROLES: tuple[str, ...] = tuple(role for role, _ in LAYOUT)
 # Workers that run the model and hold a KV pool: the default KV budget is divided by these.
 ENGINE_ROLES = ("prefill", "decode")
-ENGINE_WORKERS = sum(n for role, n in LAYOUT if role in ENGINE_ROLES)
 # The Conductor's KV index report older than this (it stopped answering) shows as unknown.
 INDEX_STALE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a running process holds and has spent: resident memory, and CPU time (user +
+    system) since it started."""
+
+    rss_bytes: int
+    cpu_s: float
+
+
+def process_usage(p: ManagedProcess) -> Usage | None:
+    """`p`'s usage now; None when it is not running (or exits while it is read)."""
+    if not p.running or p.proc is None:
+        return None
+    try:
+        ps = psutil.Process(p.proc.pid)
+        with ps.oneshot():  # one read of /proc for both
+            cpu = ps.cpu_times()
+            return Usage(ps.memory_info().rss, cpu.user + cpu.system)
+    except psutil.Error:
+        return None
 
 
 @dataclass
@@ -59,12 +83,8 @@ class WorkerProcess(ManagedProcess):
 
     def rss_mb(self) -> float | None:
         """Resident memory of the process, MiB (None when it is not running)."""
-        if not self.running or self.proc is None:
-            return None
-        try:
-            return float(psutil.Process(self.proc.pid).memory_info().rss) / (1 << 20)
-        except psutil.Error:
-            return None
+        u = process_usage(self)
+        return None if u is None else u.rss_bytes / (1 << 20)
 
 
 @dataclass
@@ -85,6 +105,22 @@ class Stack:
     # The Conductor's view of every store node's KV index (`watch_index`; the table's
     # `index` column), None until watched.
     index_watch: IndexWatch | None = None
+    # Which workers, how many of each: `mooncake up`'s by default; a bench runs another
+    # (`bench overload`: N prefill, M decode, no gateway). Engine workers share this
+    # machine's memory by the layout's count (`engine_workers`).
+    layout: Layout = LAYOUT
+    # Environment one role's workers get on top of `child_env`, e.g. the Conductor's policy
+    # and cost profile for one phase of a bench. Kept here, not given to one start, so that
+    # a restart (after a crash, `restart`) starts the worker as it was configured.
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Whether the workers inherit this process's MOONCAKE_* variables: `up` passes its
+    # configuration on that way (only the settings `child_env` exports are set from
+    # `settings`). Off, the workers see `settings` and the defaults, nothing of the
+    # caller's shell: a bench that must measure the same system wherever it runs.
+    inherit_env: bool = True
+    # Processes started beside the stack (a bench's own broker) that `usage` samples with
+    # the workers; the stack never stops or restarts them.
+    extra: dict[str, ManagedProcess] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         configured = self.settings.store.secret
@@ -118,20 +154,35 @@ class Stack:
         path.chmod(0o600)  # it holds the store's cluster secret
         return path
 
+    @property
+    def engine_workers(self) -> int:
+        """Engine workers in the layout (at least 1: the share a lone worker assumes)."""
+        return max(1, sum(n for role, n in self.layout if role in ENGINE_ROLES))
+
     def child_env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        if self.inherit_env:
+            env = dict(os.environ)
+        else:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
         env["MOONCAKE_NATS_URL"] = self.nats_url
         env["MOONCAKE_DATABASE_URL"] = self.database_url
         env["MOONCAKE_STORE__SECRET"] = self.store_secret
         # Every worker must agree on these (block keys are computed on both sides).
         env["MOONCAKE_BLOCK_TOKENS"] = str(self.settings.block_tokens)
         env["MOONCAKE_NAMESPACE"] = self.settings.namespace
+        # ... and on these: the settings may have been built in code (a bench), not read
+        # from this environment. Under `up` they equal the environment's.
+        env["MOONCAKE_DATA_DIR"] = str(self.settings.data_dir)
+        env["MOONCAKE_LOG_LEVEL"] = self.settings.log_level
+        env["MOONCAKE_ENGINE__MODEL"] = self.settings.engine.model
+        env["MOONCAKE_SLO__TTFT_S"] = str(self.settings.slo.ttft_s)
+        env["MOONCAKE_SLO__TBT_S"] = str(self.settings.slo.tbt_s)
         # Several engine processes share this machine's cores: one torch thread each,
         # unless configured otherwise.
         env.setdefault("MOONCAKE_ENGINE__THREADS", "1")
         # ... and its memory: each engine worker's KV pool is one share of it (or the budget
         # given to `up`, which then overrides the environment's).
-        env["MOONCAKE_ENGINE_WORKERS_PER_HOST"] = str(ENGINE_WORKERS)
+        env["MOONCAKE_ENGINE_WORKERS_PER_HOST"] = str(self.engine_workers)
         if self.settings.kv_cache_bytes is not None:
             env["MOONCAKE_KV_CACHE_BYTES"] = str(int(self.settings.kv_cache_bytes))
         env.setdefault("MOONCAKE_STORE__DRAM_BYTES", str(self.store_bytes()))
@@ -151,7 +202,7 @@ class Stack:
 
         if "dram_bytes" in self.settings.store.model_fields_set:
             return self.settings.store.dram_bytes
-        return memory.default_store_bytes(memory.machine_memory(), ENGINE_WORKERS)
+        return memory.default_store_bytes(memory.machine_memory(), self.engine_workers)
 
     def kv_statement(self) -> str:
         """What each engine worker's KV pool gets, and why (printed at start)."""
@@ -161,10 +212,10 @@ class Stack:
         if self.settings.kv_cache_bytes is not None:
             budget, why = int(self.settings.kv_cache_bytes), "configured"
         else:
-            budget = memory.default_kv_cache_bytes(total, ENGINE_WORKERS)
+            budget = memory.default_kv_cache_bytes(total, self.engine_workers)
             why = (
                 f"{memory.KV_SHARE_OF_MEMORY:.0%} of {total / memory.GIB:.1f} GiB over "
-                f"{ENGINE_WORKERS} engine workers; set --kv-cache-bytes to change it"
+                f"{self.engine_workers} engine workers; set --kv-cache-bytes to change it"
             )
         store = self.store_bytes() / memory.GIB
         return (
@@ -183,8 +234,8 @@ class Stack:
             self.gateway_port = gateway_port(self.settings.gateway.host, self.settings.gateway.port)
         name = f"{role}-{index}"
         argv = [sys.executable, "-m", "mooncake.cli", "worker", role, "--instance", name]
-        log_path = self.settings.data_dir / "logs" / f"{name}.log"
-        env, metrics_url = self.child_env(), None
+        log_path = self.log_dir / f"{name}.log"
+        env, metrics_url = self.child_env() | self.role_env.get(role, {}), None
         if self.metrics:
             host = self.settings.metrics_host
             port = free_port(host)
@@ -195,17 +246,45 @@ class Stack:
         self.workers.append(w)
         return w
 
-    def start_workers(self, roles: tuple[str, ...] = ROLES) -> None:
-        counts = dict(LAYOUT)
-        for role in roles:
+    def start_workers(self, roles: tuple[str, ...] | None = None) -> None:
+        """The layout's workers, in its order (or only `roles`, in theirs)."""
+        counts = dict(self.layout)
+        for role in roles if roles is not None else tuple(counts):
             for index in range(counts.get(role, 1)):
                 self.start_worker(role, index)
 
     def restart(self, w: WorkerProcess) -> WorkerProcess:
+        """Start `w` again under its name; a running one is stopped first (a restart that
+        takes a changed `role_env`)."""
+        w.stop(timeout=15)
         self.workers.remove(w)
         fresh = self.start_worker(w.role, int(w.name.rsplit("-", 1)[1]))
         fresh.restarts = w.restarts + 1
         return fresh
+
+    def worker(self, name: str) -> WorkerProcess:
+        return next(w for w in self.workers if w.name == name)
+
+    def dead(self) -> list[str]:
+        """The workers that are not running (exited, killed), by name."""
+        return [w.name for w in self.workers if not w.running]
+
+    def usage(self) -> dict[str, Usage]:
+        """Every running worker's usage, and the `extra` processes', by name."""
+        procs: list[tuple[str, ManagedProcess]] = [(w.name, w) for w in self.workers]
+        procs += self.extra.items()
+        return {name: u for name, p in procs if (u := process_usage(p)) is not None}
+
+    @property
+    def log_dir(self) -> Path:
+        return self.settings.data_dir / "logs"
+
+    def log_text(self) -> dict[str, str]:
+        """Each worker's log so far, by name ("" before it wrote one)."""
+        return {
+            w.name: w.log_path.read_text(errors="replace") if w.log_path.exists() else ""
+            for w in self.workers
+        }
 
     def watch_index(self) -> None:
         """Follow the Conductor's KV index states for the status table (a thread: the

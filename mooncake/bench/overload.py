@@ -2,7 +2,8 @@
 
 The real worker processes (recorder, store master, Conductor, prefill and decode workers with
 a small seeded dummy model: CPU-sized, so the figures are about the pipeline and admission,
-not a model) run against a NATS and a Postgres (the command starts private ones).
+not a model), started by `mooncake up`'s `Stack`, run against a NATS and a Postgres (the
+command starts private ones).
 
 1. Capacity. The Conductor runs policy `none`; a closed loop of `concurrency` clients replays
    the trace (each client submits its next request when the last one ends). Capacity is the
@@ -41,7 +42,6 @@ import math
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -64,8 +64,10 @@ from mooncake.bench.record import (
     terminals,
 )
 from mooncake.client import Outcome, ask
+from mooncake.config import SLO, ConductorSettings, EngineSettings, Settings, StoreSettings
 from mooncake.core.quantile import quantile
 from mooncake.services import EmbeddedNats, EmbeddedPostgres, ManagedProcess
+from mooncake.stack import Stack
 from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
 from mooncake.work import LoadReport, WorkSubjects
 
@@ -124,112 +126,66 @@ class Target:
     data_dir: Path
 
 
-def _cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) the process has used."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def stack_settings(target: Target, opts: OverloadOptions) -> Settings:
+    """The deployment measured, as `mooncake.stack.Stack` runs it: the seeded dummy model
+    on one torch thread per worker, a 64 MiB store segment per engine worker, the SLO, and
+    a Conductor that admits everything (policy `none`) until the overload phases restart
+    it with the rejecting policy (`conductor_env`). Quiet logs: under overload every worker
+    would log each rejection and retry."""
+    return Settings(
+        nats_url=target.nats_url,
+        database_url=target.database_url,
+        namespace=target.namespace,
+        data_dir=target.data_dir,
+        log_level="WARNING",
+        block_tokens=opts.tokens_per_block,
+        admission_policy="none",
+        slo=SLO(ttft_s=opts.ttft_slo_s, tbt_s=opts.tbt_slo_s),
+        store=StoreSettings(dram_bytes=64 << 20),
+        engine=EngineSettings(model="dummy", threads=1),
+        # Given, so not read from the caller's environment: the stack passes these two on
+        # to the workers, and the caller's shell must not reach them (`overload_stack`).
+        kv_cache_bytes=None,
+        conductor=ConductorSettings(),
+    )
 
 
-def _rss_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+def overload_stack(
+    target: Target, opts: OverloadOptions, extra: dict[str, ManagedProcess] | None = None
+) -> Stack:
+    """`mooncake up`'s Stack on `target`'s broker and database (started by the caller, so
+    no infrastructure of its own), with the bench's layout (no gateway: requests go on the
+    bus) and `extra` processes sampled beside the workers."""
+    return Stack(
+        stack_settings(target, opts),
+        nats_url=target.nats_url,
+        database_url=target.database_url,
+        layout=(
+            ("recorder", 1),
+            ("store-master", 1),
+            ("conductor", 1),
+            ("prefill", opts.prefill),
+            ("decode", opts.decode),
+        ),
+        # The figures must not depend on the caller's shell (a MOONCAKE_ENGINE__* there
+        # would change the model every worker runs).
+        inherit_env=False,
+        extra=dict(extra or {}),
+    )
 
 
-class Stack:
-    """The worker processes of one deployment, each a real `mooncake worker ROLE`."""
-
-    def __init__(
-        self,
-        target: Target,
-        opts: OverloadOptions,
-        secret: str,
-        extra: dict[str, ManagedProcess] | None = None,
-    ) -> None:
-        self.target = target
-        self.extra = dict(extra or {})  # sampled for RSS too (a broker this run started)
-        self.opts = opts
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
-        self.env.update(
-            {
-                "MOONCAKE_NATS_URL": target.nats_url,
-                "MOONCAKE_DATABASE_URL": target.database_url,
-                "MOONCAKE_NAMESPACE": target.namespace,
-                "MOONCAKE_DATA_DIR": str(target.data_dir),
-                "MOONCAKE_METRICS_PORT": "-1",
-                "MOONCAKE_LOG_LEVEL": "WARNING",
-                "MOONCAKE_STORE__SECRET": secret,
-                "MOONCAKE_STORE__DRAM_BYTES": str(64 << 20),
-                "MOONCAKE_BLOCK_TOKENS": str(opts.tokens_per_block),
-                "MOONCAKE_ENGINE__MODEL": "dummy",
-                "MOONCAKE_ENGINE__THREADS": "1",
-                "MOONCAKE_SLO__TTFT_S": str(opts.ttft_slo_s),
-                "MOONCAKE_SLO__TBT_S": str(opts.tbt_slo_s),
-            }
-        )
-        self.procs: dict[str, ManagedProcess] = {}
-        self.logs = target.data_dir / "logs"
-
-    @property
-    def layout(self) -> list[tuple[str, str]]:
-        o = self.opts
-        return [
-            ("recorder", "recorder-0"),
-            ("store-master", "store-master-0"),
-            ("conductor", "conductor-0"),
-            *(("prefill", f"prefill-{i}") for i in range(o.prefill)),
-            *(("decode", f"decode-{i}") for i in range(o.decode)),
-        ]
-
-    def _spawn(self, role: str, name: str, extra: dict[str, str]) -> None:
-        argv = [sys.executable, "-m", "mooncake.cli", "worker", role, "--instance", name]
-        proc = ManagedProcess(name, argv, self.logs / f"{name}.log", 0, env=self.env | extra)
-        proc.spawn()
-        self.procs[name] = proc
-
-    def start(self, conductor_env: dict[str, str]) -> None:
-        for role, name in self.layout:
-            self._spawn(role, name, conductor_env if role == "conductor" else {})
-
-    def restart_conductor(self, conductor_env: dict[str, str]) -> None:
-        self.procs["conductor-0"].stop()
-        self._spawn("conductor", "conductor-0", conductor_env)
-
-    def rss(self) -> dict[str, int]:
-        out = {}
-        for name, p in (self.procs | self.extra).items():
-            if p.proc is not None and p.running and (rss := _rss_bytes(p.proc.pid)) is not None:
-                out[name] = rss
-        return out
-
-    def cpu(self) -> dict[str, float]:
-        out = {}
-        for name, p in (self.procs | self.extra).items():
-            if p.proc is not None and p.running and (cpu := _cpu_s(p.proc.pid)) is not None:
-                out[name] = cpu
-        return out
-
-    def dead(self) -> list[str]:
-        return [name for name, p in self.procs.items() if not p.running]
-
-    def stop(self) -> None:
-        for p in reversed(list(self.procs.values())):
-            p.stop()
-
-    def log_text(self) -> dict[str, str]:
-        return {
-            name: p.log_path.read_text(errors="replace") if p.log_path.exists() else ""
-            for name, p in self.procs.items()
-        }
+def conductor_env(profile: Path, opts: OverloadOptions) -> dict[str, str]:
+    """The Conductor of the overload phases: the rejecting policy on the profile measured
+    here, admitting against `admit_at` of the SLO."""
+    return {
+        "MOONCAKE_ADMISSION_POLICY": opts.policy,
+        "MOONCAKE_CONDUCTOR__COST_PROFILE": str(profile),
+        # Admission on exactly the profile measured here, not refitted while the run goes:
+        # the prefill queue bound (`queue_bounds`) is derived from it.
+        "MOONCAKE_CONDUCTOR__ONLINE_COST": "false",
+        "MOONCAKE_SLO__TTFT_S": str(opts.ttft_slo_s * opts.admit_at),
+        "MOONCAKE_SLO__TBT_S": str(opts.tbt_slo_s * opts.admit_at),
+    }
 
 
 # --- the workload ---------------------------------------------------------------------------------
@@ -406,13 +362,12 @@ async def watching(stack: Stack, nc: NATS, ns: ev.Namespace, interval_s: float =
     async def sample() -> None:
         stream = ns.stream("MC_REQ")
         while True:
-            for name, rss in stack.rss().items():
-                watch.rss_first.setdefault(name, rss)
-                watch.rss_last[name] = rss
-                watch.rss_max[name] = max(watch.rss_max.get(name, 0), rss)
-            for name, cpu in stack.cpu().items():
-                watch.cpu_first.setdefault(name, cpu)
-                watch.cpu_last[name] = cpu
+            for name, u in stack.usage().items():
+                watch.rss_first.setdefault(name, u.rss_bytes)
+                watch.rss_last[name] = u.rss_bytes
+                watch.rss_max[name] = max(watch.rss_max.get(name, 0), u.rss_bytes)
+                watch.cpu_first.setdefault(name, u.cpu_s)
+                watch.cpu_last[name] = u.cpu_s
             with contextlib.suppress(Exception):
                 info = await js.consumer_info(stream, "conductor", timeout=1.0)
                 backlog = (info.num_pending or 0) + (info.num_ack_pending or 0)
@@ -512,7 +467,6 @@ def decode_rows(opts: OverloadOptions) -> list[dict[str, Any]]:
     """The engine profiler's decode grid on the dummy model the workers run (one thread)."""
     import torch
 
-    from mooncake.config import EngineSettings, Settings
     from mooncake.engine.profile import profile_decode
     from mooncake.serving.models import build_engine
 
@@ -665,14 +619,14 @@ async def ready(nc: NATS, ns: ev.Namespace, within_s: float, stack: Stack) -> No
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if dead := stack.dead():
-            raise RuntimeError(f"worker(s) exited: {', '.join(dead)} (logs in {stack.logs})")
+            raise RuntimeError(f"worker(s) exited: {', '.join(dead)} (logs in {stack.log_dir})")
         out = await ask(
             nc, token_ids=[1, 2, 3], ns=ns, params=ev.SamplingParams(max_tokens=2), timeout_s=5
         )
         if out.finished:
             return
         await asyncio.sleep(0.5)
-    raise RuntimeError(f"no answer within {within_s:.0f} s (logs in {stack.logs})")
+    raise RuntimeError(f"no answer within {within_s:.0f} s (logs in {stack.log_dir})")
 
 
 async def measure_capacity(
@@ -753,8 +707,6 @@ async def run_overload(
     extra_processes: dict[str, ManagedProcess] | None = None,
 ) -> dict[str, Any]:
     """Capacity, profile, then each overload factor, against `target` (see the module doc)."""
-    from mooncake.config import Settings
-
     if not 0 < opts.percentile < 1 or not 0 < opts.admit_at <= 1:
         raise ValueError("percentile must be in (0, 1) and admit_at in (0, 1]")
     if opts.policy not in ("early", "predicted", "forecast"):
@@ -766,7 +718,7 @@ async def run_overload(
     trace = load_trace(opts.trace)
     feed = TraceFeed(trace, opts, seed=Settings.model_fields["hash_seed"].default)
     ns = ev.Namespace(target.namespace)
-    stack = Stack(target, opts, secrets.token_hex(16), extra_processes)
+    stack = overload_stack(target, opts, extra_processes)
     started = time.monotonic()
     result: dict[str, Any] = {
         "engine": "dummy (seeded random weights: 2 layers, hidden 64), 1 torch thread/worker",
@@ -777,7 +729,7 @@ async def run_overload(
         "admission_limit": {"ttft_s": opts.ttft_slo_s * opts.admit_at,
                             "tbt_s": opts.tbt_slo_s * opts.admit_at},
     }  # fmt: skip
-    stack.start({"MOONCAKE_ADMISSION_POLICY": "none"})
+    stack.start_workers()
     nc = await nats.connect(target.nats_url, max_reconnect_attempts=5)
     try:
         await ready(nc, ns, 120, stack)
@@ -797,17 +749,8 @@ async def run_overload(
             "prefill_service_p90_s": _r(quantile(secs, 0.9)),
             "prefill_queue_bound": prefill_bound,
         }
-        stack.restart_conductor(
-            {
-                "MOONCAKE_ADMISSION_POLICY": opts.policy,
-                "MOONCAKE_CONDUCTOR__COST_PROFILE": str(path),
-                # Admission on exactly the profile measured here, not refitted while the run
-                # goes: the prefill queue bound (`queue_bounds`) is derived from it.
-                "MOONCAKE_CONDUCTOR__ONLINE_COST": "false",
-                "MOONCAKE_SLO__TTFT_S": str(opts.ttft_slo_s * opts.admit_at),
-                "MOONCAKE_SLO__TBT_S": str(opts.tbt_slo_s * opts.admit_at),
-            }
-        )
+        stack.role_env["conductor"] = conductor_env(path, opts)
+        await asyncio.to_thread(stack.restart, stack.worker("conductor-0"))
         await ready(nc, ns, 60, stack)
         phases, watches, offered = [], [], []
         for factor in opts.factors:

@@ -38,7 +38,7 @@ from mooncake.client import Outcome, ask
 from mooncake.config import Settings
 from mooncake.replay_live import LiveReplayOptions, scaled_request
 from mooncake.services import EmbeddedNats, EmbeddedPostgres, ServiceError
-from mooncake.stack import Stack, WorkerProcess
+from mooncake.stack import Stack
 from mooncake.trace import TraceRequest
 
 from helpers import endings
@@ -105,9 +105,6 @@ class FaultStack(Stack):
 
     def child_env(self) -> dict[str, str]:
         return super().child_env() | WORKER_ENV
-
-    def worker(self, name: str) -> WorkerProcess:
-        return next(w for w in self.workers if w.name == name)
 
     def shutdown(self) -> None:
         for w in self.workers:  # SIGTERM to all at once, then wait: seconds, not one each
