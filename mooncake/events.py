@@ -90,7 +90,9 @@ class SamplingParams(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
-    seed: int | None = None
+    # A 64-bit seed, signed or not: what a torch generator takes (`manual_seed` overflows
+    # past it, which would fail the request in its prefill, not reject it here).
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: Annotated[
         list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)
     ] = []
@@ -482,7 +484,7 @@ def _surrogate_detail(data: bytes) -> str | None:
     lone surrogate escapes that pydantic's refuses ("unexpected end of hex escape")."""
     try:
         found = unencodable(json.loads(data))
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's stack: pydantic said why
         return None
     if found is None:
         return None

@@ -151,9 +151,14 @@ async def read_json(request: Request, limit: int) -> Any:
         chunks.append(chunk)
     try:
         data = json.loads(b"".join(chunks))
+        found = ev.unencodable(data)
     except ValueError as exc:
         raise errors.bad_request(f"malformed JSON body: {exc}", code="invalid_json") from exc
-    if (found := ev.unencodable(data)) is not None:
+    except RecursionError as exc:  # `[[[[...` about a thousand deep: past Python's stack
+        raise errors.bad_request(
+            "malformed JSON body: arrays or objects nested too deeply", code="invalid_json"
+        ) from exc
+    if found is not None:
         where = found.encode("utf-8", "backslashreplace").decode()  # a key may be the culprit
         raise errors.bad_request(
             f"{where or 'body'}: {ev.LONE_SURROGATE}",

@@ -304,6 +304,8 @@ def test_a_reply_to_inside_the_system_is_refused_without_publishing_there(live: 
         {"prompt": "a\ud800b", "token_ids": None},  # a lone surrogate: not text
         {"slo_class": "no spaces allowed"},
         {"unknown_field": 1},
+        # Past what a torch generator takes: it was admitted, then failed every prefill try.
+        {"params": {"max_tokens": 2, "temperature": 1.0, "seed": 2**64}},
     ],
 )
 def test_an_invalid_submission_is_told_to_its_reply_to(
@@ -333,6 +335,19 @@ def test_an_invalid_submission_is_told_to_its_reply_to(
     assert told["detail"] and (told["event_id"], told["detail"]) == (
         recorded["event_id"], recorded["detail"],
     )  # fmt: skip
+
+
+def test_a_submission_nested_past_pythons_stack_is_rejected_not_retried(live: Live) -> None:
+    """JSON nested 1,800 deep (under the size limit): pydantic refuses it, and the
+    second look for a lone surrogate (`json.loads`) raised RecursionError, a retry."""
+    rid = fresh_id("deep")
+    head = json.dumps(submitted_base(rid)).encode()[:-1]
+    outcome = live.decide(head + b', "x": ' + b"[" * 1800 + b"]" * 1800 + b"}")
+    assert isinstance(outcome, Ack), outcome
+    [rejected] = live.decisions(rid)
+    assert (rejected["type"], rejected["reason"]) == ("request.rejected", "invalid_request")
+    assert "recursion limit" in rejected["detail"], rejected
+    live.admits_a_good_request()
 
 
 @FUZZ

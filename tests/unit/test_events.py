@@ -76,6 +76,17 @@ BAD = [
     (b'{"type":"request.submitted","request_id":"bad id with spaces","prompt":"x"}', None),
     (b"\xff\xfe\x00garbage", None),
     (b"[]", None),
+    # Nested deeper than Python's stack: the lone-surrogate check's json.loads overflowed it.
+    (
+        b'{"type":"request.submitted","request_id":"r-7","x":' + b"[" * 5000 + b"]" * 5000 + b"}",
+        "r-7",
+    ),
+    # A seed no generator takes (torch's manual_seed overflows): the prefill would fail on it.
+    (
+        b'{"type":"request.submitted","request_id":"r-8","prompt":"x","params":'
+        b'{"temperature":1,"seed":18446744073709551616}}',
+        "r-8",
+    ),
 ]
 
 

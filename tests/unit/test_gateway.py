@@ -227,6 +227,21 @@ async def test_malformed_json_is_400_with_the_parser_message(rig: Callable[..., 
     assert r.backend.submitted == []
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_json_nested_past_the_parsers_stack_is_400_not_500(
+    rig: Callable[..., Rig], path: str
+) -> None:
+    """`json.loads` raises RecursionError (not ValueError) about a thousand levels deep."""
+    r = rig(max_body_bytes=1 << 20)
+    deep = b"[" * 5000 + b"]" * 5000
+    for body in (deep, b'{"model": "test-model", "prompt": "hi", "metadata": ' + deep + b"}"):
+        resp = await r.post(path, body)
+        assert resp.status_code == 400, resp.text
+        err = error_of(resp)
+        assert err["code"] == "invalid_json" and "nested too deeply" in err["message"], err
+    assert r.backend.submitted == []
+
+
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
