@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -139,6 +139,25 @@ class AnalyticCostModel:
     step_overhead_s: float = 0.005
     a: float = 4.0
     b: float = 22.0
+    # Derived once (`decode_step_s` runs millions of times in a simulation): the weights'
+    # bytes, a token's KV bytes, the usable HBM bandwidth, 2 x params and the usable FLOP/s.
+    _weights_bytes: float = field(init=False, repr=False, compare=False)
+    _kv_bytes: float = field(init=False, repr=False, compare=False)
+    _hbm: float = field(init=False, repr=False, compare=False)
+    _two_params: float = field(init=False, repr=False, compare=False)
+    _flop_rate: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        m, hw = self.model, self.hw
+        derived = {
+            "_weights_bytes": m.params * m.dtype_bytes,
+            "_kv_bytes": m.kv_bytes_per_token,
+            "_hbm": hw.gpus * hw.hbm_bytes_per_s_per_gpu * self.hbm_efficiency,
+            "_two_params": 2.0 * m.params,
+            "_flop_rate": hw.peak_flops * self.mfu,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     def _compute_s(self, prompt: float, prefix: float) -> float:
         m = self.model
@@ -168,10 +187,8 @@ class AnalyticCostModel:
         return max(self._compute_s(prompt, prefix), self._load_s(prefix))
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
-        m, hw = self.model, self.hw
-        hbm = hw.gpus * hw.hbm_bytes_per_s_per_gpu * self.hbm_efficiency
-        memory = (m.params * m.dtype_bytes + context_tokens * m.kv_bytes_per_token) / hbm
-        compute = 2.0 * m.params * max(batch, 0) / (hw.peak_flops * self.mfu)
+        memory = (self._weights_bytes + context_tokens * self._kv_bytes) / self._hbm
+        compute = self._two_params * max(batch, 0) / self._flop_rate
         return self.step_overhead_s + max(memory, compute)
 
 

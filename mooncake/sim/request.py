@@ -3,7 +3,8 @@
 TTFT = arrival -> first token (the prefill's last token). TBT is scored as FAST'25 does:
 the mean of the slowest 10 % of the request's inter-token gaps (at least one gap). A request
 preempted at decode keeps its tokens; the gap to its next token spans the whole wait and the
-reload (`token` measures from the previous token), so its TBT score shows the preemption.
+reload (`decode.emit_tokens` measures each gap from the previous token), so its TBT score
+shows the preemption.
 """
 
 from __future__ import annotations
@@ -36,13 +37,6 @@ class SimRequest:
     def first_token(self, now: float) -> None:
         self.first_token_at = self.last_token_at = now
         self.generated = 1
-
-    def token(self, now: float) -> bool:
-        """One more generated token at `now`; True when the request is complete."""
-        self.gaps.append(now - self.last_token_at)
-        self.last_token_at = now
-        self.generated += 1
-        return self.generated >= self.output
 
     @property
     def context(self) -> int:
