@@ -80,11 +80,17 @@ def simulate_paper(
     out: Annotated[str | None, typer.Option(help="Write Markdown tables + CSV here")] = None,
     traces: Annotated[str | None, typer.Option(help="Traces dir (default ../shared)")] = None,
     speed: Annotated[float, typer.Option(help="Speed of the capacity runs")] = 1.0,
+    jobs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Processes (default: 2 where there are two cores, else 1)"),
+    ] = None,
 ) -> None:
     """Regenerate the paper's experiments (PAPER.md §3, §5, §7) in one command."""
     from mooncake.sim.cli_support import run_paper_cli
 
-    result = run_paper_cli(quick=quick, out=out, traces=traces, speed=speed, log=err.print)
+    result = run_paper_cli(
+        quick=quick, out=out, traces=traces, speed=speed, log=err.print, jobs=jobs
+    )
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:

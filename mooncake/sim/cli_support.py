@@ -85,9 +85,10 @@ def run_paper_cli(
     traces: str | None,
     speed: float,
     log: Any = None,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
     result, samples = run_paper(
-        Path(traces) if traces else TRACES, quick=quick, speed=speed, log=log
+        Path(traces) if traces else TRACES, quick=quick, speed=speed, log=log, jobs=jobs
     )
     if out is not None:
         result["written"] = [str(p) for p in write_report(result, samples, Path(out))]
