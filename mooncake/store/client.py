@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -353,25 +353,39 @@ class StoreClient:
         """Allocate (key, size) objects to be written piece by piece (see `PutHandle`).
         Keys the master refused (already stored, no space, quota) are in `handle.refused`;
         `owner` as `put_many` takes it."""
-        routes: dict[str, list[list[tuple[str, str, Region]]]] = {}
         refused: dict[str, p.Refused] = {}
-        if not items:
-            return PutHandle(self, routes, refused)
-        opts = _PutOptions(replicas, pin, preferred_segment, owner=owner)
-        req = p.PutStartRequest(items=[opts.item(k, n) for k, n in items])
-        started = await self._call("put_start", req, p.PutStartReply)
-        for (key, _), res in zip(items, started.results, strict=True):
-            if isinstance(res, p.Refused):
-                refused[key] = res
-                continue
-            routes[key] = [
+        plans: dict[str, p.Plan] = {}
+        segments: dict[str, dict[str, str]] = {}
+        if items:
+            opts = _PutOptions(replicas, pin, preferred_segment, owner=owner)
+            req = p.PutStartRequest(items=[opts.item(k, n) for k, n in items])
+            started = await self._call("put_start", req, p.PutStartReply)
+            segments = started.segments
+            for (key, _), res in zip(items, started.results, strict=True):
+                if isinstance(res, p.Refused):
+                    refused[key] = res
+                else:
+                    plans[key] = res
+        shared = p.SharedPut(plans=plans, segments=segments)
+        return PutHandle(self, self._routes_of(shared), refused, shared)
+
+    def join_put(self, shared: p.SharedPut) -> PutHandle:
+        """A handle on a put another process started (`PutHandle.share`): it writes pieces
+        of the objects; the starter counts them in (`PutHandle.credit`) and commits."""
+        return PutHandle(self, self._routes_of(shared), {}, None)
+
+    def _routes_of(self, shared: p.SharedPut) -> dict[str, list[list[tuple[str, str, Region]]]]:
+        """Per object, per replica: the (transport, endpoint, region) this client can use."""
+        return {
+            key: [
                 [
                     (n, ep, Region(r.segment_id, r.offset, r.size))
-                    for n, ep in self._route(started.segments.get(r.segment_id, {}))
+                    for n, ep in self._route(shared.segments.get(r.segment_id, {}))
                 ]
-                for r in res.replicas
+                for r in plan.replicas
             ]
-        return PutHandle(self, routes, refused)
+            for key, plan in shared.plans.items()
+        }
 
     async def start_get(self, keys: Sequence[str]) -> GetHandle:
         """Look objects up (leasing them) to read piece by piece (see `GetHandle`)."""
@@ -423,10 +437,14 @@ class PutHandle:
         client: StoreClient,
         routes: dict[str, list[list[tuple[str, str, Region]]]],
         refused: dict[str, p.Refused],
+        shared: p.SharedPut | None = None,
     ) -> None:
         self._client = client
         self._routes = routes  # key -> per replica: candidates (transport, endpoint, region)
         self.refused = refused
+        # What another process needs to write into this put; None: this handle joined a put
+        # started elsewhere (it writes, the starter commits).
+        self._shared = shared
         self._failed: set[str] = set()
         self._written: dict[str, int] = dict.fromkeys(routes, 0)
         self._done = False
@@ -434,6 +452,32 @@ class PutHandle:
     @property
     def keys(self) -> list[str]:
         return list(self._routes)
+
+    @property
+    def started_here(self) -> bool:
+        return self._shared is not None
+
+    def share(self) -> p.SharedPut:
+        """The put's objects and where they live, for `StoreClient.join_put` elsewhere."""
+        if self._shared is None:
+            raise ValueError("only the process that started a put can share it")
+        return self._shared
+
+    def written(self) -> tuple[dict[str, int], set[str]]:
+        """(bytes written per object, objects a piece of which failed) by this handle: what a
+        joined handle reports to the starter."""
+        return dict(self._written), set(self._failed)
+
+    def credit(self, written: Mapping[str, int], failed: Iterable[str] = ()) -> None:
+        """Count pieces a joined handle wrote (its `written()`), so `commit` publishes an
+        object whose bytes came from several processes."""
+        for key, n in written.items():
+            if key not in self._routes:
+                raise KeyError(f"{key!r} is not part of this put")
+            if n < 0:
+                raise ValueError("a negative byte count")
+            self._written[key] += n
+        self._failed.update(k for k in failed if k in self._routes)
 
     async def write(self, parts: Sequence[tuple[str, int, Any]]) -> None:
         """Write (key, offset inside the object, buffer) pieces, all replicas, in parallel.
@@ -458,7 +502,10 @@ class PutHandle:
 
     async def commit(self) -> dict[str, p.Refused | None]:
         """Publish every object whose bytes were all written without error; revoke the
-        others (a piece failed, or fewer bytes were written than the object holds)."""
+        others (a piece failed, or fewer bytes were written than the object holds). Only
+        the handle that started the put commits it (or aborts it)."""
+        if self._shared is None:
+            raise ValueError("only the process that started a put commits it")
         self._done = True
         out: dict[str, p.Refused | None] = dict(self.refused)
         bad: dict[str, str] = {}
@@ -479,6 +526,8 @@ class PutHandle:
         return out
 
     async def abort(self) -> None:
+        if self._shared is None:
+            raise ValueError("only the process that started a put aborts it")
         if self._done or not self._routes:
             return
         self._done = True

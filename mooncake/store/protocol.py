@@ -170,6 +170,15 @@ class PutStartReply(SegmentsMixin):
     results: list[Plan | Refused]
 
 
+class SharedPut(SegmentsMixin):
+    """Where the objects of a started put live, for another process to write pieces of them
+    (`StoreClient.join_put`): a chunked-pipeline stage writes its layers of each KV block the
+    group's leader allocated, and the leader alone commits. Each joiner picks its own
+    transports from the segments' endpoints."""
+
+    plans: Annotated[dict[Key, Plan], Field(max_length=MAX_BATCH)]
+
+
 class KeysRequest(Wire):
     keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_BATCH)]
     force: bool = False  # remove only: ignore read leases

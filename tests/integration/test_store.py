@@ -543,6 +543,47 @@ async def test_put_in_pieces_is_invisible_until_commit_and_reads_in_pieces(
     assert await client.put("never", b"y" * 100) is None  # the key is free again
 
 
+async def test_a_put_written_by_two_processes_is_committed_by_its_starter(
+    cluster: Cluster,
+) -> None:
+    """A chunked-pipeline group's KV: the leader allocates each block, another stage writes
+    its layers into them (its own client, its own transport: tcp here, shm for the leader)
+    from the shared plan sent over the wire, and the leader commits once it has counted the
+    stage's bytes in. Without that count the objects are incomplete, and revoked."""
+    await cluster.add_node("n1", transports=("shm", "tcp"))
+    leader, stage = cluster.client(("shm", "tcp")), cluster.client(("tcp",))
+    data = {"b0": blob(64_000, 7), "b1": blob(64_000, 8)}
+    half = 32_000  # the leader's layers, then the stage's
+
+    handle = await leader.start_put([(k, len(v)) for k, v in data.items()])
+    wire = handle.share().model_dump_json()  # as a stage's work message carries it
+    joined = stage.join_put(p.SharedPut.model_validate_json(wire))
+    assert not joined.started_here and sorted(joined.keys) == ["b0", "b1"]
+    await joined.write([(k, half, v[half:]) for k, v in data.items()])
+    await handle.write([(k, 0, v[:half]) for k, v in data.items()])
+    with pytest.raises(ValueError, match="started"):
+        await joined.commit()
+    written, failed = joined.written()
+    assert written == {"b0": half, "b1": half} and failed == set()
+    handle.credit(written, failed)
+    assert await handle.commit() == {"b0": None, "b1": None}
+    for k, v in data.items():
+        got = await stage.get(k)
+        assert got is not None and bytes(got) == v
+
+    uncounted = await leader.start_put([("c0", 100)])
+    other = stage.join_put(uncounted.share())
+    await other.write([("c0", 50, b"y" * 50)])
+    await uncounted.write([("c0", 0, b"x" * 50)])
+    outcome = (await uncounted.commit())["c0"]  # the stage's half was never credited
+    assert outcome is not None and "50 of 100 bytes" in outcome.detail
+    assert not await leader.exists("c0")
+    with pytest.raises(KeyError):
+        handle.credit({"not-in-this-put": 1})
+    nothing = await leader.start_put([])  # every block cached already: nothing to write
+    assert nothing.share().plans == {} and await nothing.commit() == {}
+
+
 async def test_a_lost_last_kv_batch_is_seen_at_the_node_s_next_tip(cluster: Cluster) -> None:
     """A node that goes quiet after a lost batch: no later batch shows the gap, its tip (each
     heartbeat) does, and the follower resyncs."""
