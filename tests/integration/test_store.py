@@ -584,6 +584,62 @@ async def test_a_put_written_by_two_processes_is_committed_by_its_starter(
     assert nothing.share().plans == {} and await nothing.commit() == {}
 
 
+async def test_a_cpp_groups_blocks_are_stored_as_one_worker_stores_them(
+    cluster: Cluster,
+) -> None:
+    """Two pipeline stages (layers 0-1 and 2-3), each with only its layers' KV, chunks that
+    do not fall on block boundaries: the leader starts the put, the other stage joins it from
+    the shared plan with its own client, each writes its layers of a block once the chunk
+    completing it has run, the leader credits and commits. Every object is what one worker's
+    prefill stores (its header exactly, its KV to float rounding: the chunks attend in other
+    row blocks), the partial tail included."""
+    import threading
+
+    from mooncake.engine import Engine, ModelSpec, dummy_model
+    from mooncake.engine.stage import run_chunk
+    from mooncake.serving.cpp_kv import StageBlockWriter
+    from mooncake.serving.kvstore import write_targets
+    from mooncake.serving.prefill_kv import prefill_with_store
+
+    await cluster.add_node("n1", transports=("shm", "tcp"))
+    leader, other = cluster.client(("shm", "tcp")), cluster.client(("tcp",))
+    spec = ModelSpec(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, context=256)
+    engine = Engine(dummy_model(spec), block_tokens=16)
+    tokens = [(7 * i) % 64 for i in range(75)]  # four whole blocks and an 11-token tail
+    one = await prefill_with_store(
+        engine, leader, tokens, cached_blocks=0, tail_key="tail-one", preferred_segment=None,
+        cancelled=threading.Event(),
+    )  # fmt: skip
+    keys = [f"cpp-{k}" for k in one.block_keys]  # the same blocks, under keys of their own
+    targets = write_targets(keys, len(tokens), 16, 0, "tail-cpp")
+    put = await leader.start_put([(t.key, engine.layout.object_size(t.tokens)) for t in targets])
+    joined = other.join_put(p.SharedPut.model_validate_json(put.share().model_dump_json()))
+    stages = [((0, 2), engine.new_kv(), put), ((2, 4), engine.new_kv(), joined)]
+    writers = [
+        StageBlockWriter(handle, engine.layout, kv, layers, targets, header=layers[0] == 0)
+        for layers, kv, handle in stages
+    ]
+    wrote: list[list[int]] = [[], []]
+    for a, b in ((0, 20), (20, 53), (53, 75)):  # chunks across block boundaries
+        x: list[int] | torch.Tensor = tokens[a:b]
+        for s, ((layers, kv, _), writer) in enumerate(zip(stages, writers, strict=True)):
+            x = run_chunk(engine, kv, layers, a, x)
+            wrote[s].append(await writer.chunk_done(b))
+    assert wrote == [[1, 2, 2], [1, 2, 2]]  # blocks 0 / 1-2 / 3 and the tail
+    put.credit(*joined.written())
+    assert set((await put.commit()).values()) == {None}
+    for t, theirs in zip(targets, [*one.block_keys, "tail-one"], strict=True):
+        got, want = await other.get(t.key), await leader.get(theirs)
+        assert got is not None and want is not None and len(got) == len(want), t
+        as_read = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (got, want)]
+        # the same header, and the same KV to float rounding (chunks: other row blocks)
+        ours, single = (engine.layout.payload(raw, t.tokens) for raw in as_read)
+        assert torch.allclose(ours, single, atol=1e-5, rtol=0), t
+    one.release()
+    for _, kv, _ in stages:
+        kv.release()
+
+
 async def test_a_lost_last_kv_batch_is_seen_at_the_node_s_next_tip(cluster: Cluster) -> None:
     """A node that goes quiet after a lost batch: no later batch shows the gap, its tip (each
     heartbeat) does, and the follower resyncs."""
