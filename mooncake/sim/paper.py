@@ -238,7 +238,7 @@ def _quiet(_: str) -> None:
 _LOG: Log = _quiet
 
 
-def _part_a(traces_dir: Path, quick: bool, speed: float) -> tuple[dict[str, Any], Samples]:
+def _part_a(traces_dir: Path, quick: bool) -> tuple[dict[str, Any], Samples]:
     """Hit rate, overload and the P:D sweep: about half of the work."""
     traces, say = load_traces(traces_dir, quick), _LOG
     out: dict[str, Any] = {"hit_rate": hit_rate(traces, say)}
@@ -283,11 +283,11 @@ def run_paper(
     parallel = (jobs if jobs is not None else default_jobs()) >= 2
     if parallel:
         with multiprocessing.get_context("fork").Pool(1) as pool:
-            a_async = pool.apply_async(_part_a, (traces_dir, quick, speed))
+            a_async = pool.apply_async(_part_a, (traces_dir, quick))
             b = _part_b(traces_dir, quick, speed)
             a, samples = a_async.get()
     else:
-        a, samples = _part_a(traces_dir, quick, speed)
+        a, samples = _part_a(traces_dir, quick)
         b = _part_b(traces_dir, quick, speed)
     result: dict[str, Any] = {
         "quick": quick,
