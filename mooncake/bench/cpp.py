@@ -154,6 +154,7 @@ async def _stage_async(
 
     from mooncake.engine.stage import run_chunk
     from mooncake.serving.activations import Inbox, Outbox, inbox_bytes, slot_bytes
+    from mooncake.serving.cpp_stage import run_stage
     from mooncake.store.segment import Segment
     from mooncake.store.transfer import SegmentTable, make_client, make_server
 
@@ -193,17 +194,11 @@ async def _stage_async(
         conn.send(("warm",))
         conn.recv()  # go
         kv = engine.new_kv()
-        busy = []
-        for k, (a, b) in enumerate(plan.chunks):
-            chunk: Any = tokens[a:b] if inbox is None else (await inbox.receive())[None]
-            final = last and k == len(plan.chunks) - 1
-            t0 = time.perf_counter()
-            out = await asyncio.to_thread(run_chunk, engine, kv, layers, a, chunk, logits=final)
-            busy.append(time.perf_counter() - t0)
-            if outbox is not None:
-                await outbox.send(out)
-            elif final:
-                conn.send(("logits", out.float().tolist()))
+        busy: list[float] = []
+        logits = await run_stage(engine, kv, layers, plan.chunks, tokens, inbox=inbox,
+                                 outbox=outbox, busy=busy)  # fmt: skip
+        if logits is not None:
+            conn.send(("logits", logits.float().tolist()))
         conn.send(("busy", busy))
     finally:
         await client.close()

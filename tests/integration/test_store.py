@@ -587,56 +587,77 @@ async def test_a_put_written_by_two_processes_is_committed_by_its_starter(
 async def test_a_cpp_groups_blocks_are_stored_as_one_worker_stores_them(
     cluster: Cluster,
 ) -> None:
-    """Two pipeline stages (layers 0-1 and 2-3), each with only its layers' KV, chunks that
-    do not fall on block boundaries: the leader starts the put, the other stage joins it from
-    the shared plan with its own client, each writes its layers of a block once the chunk
-    completing it has run, the leader credits and commits. Every object is what one worker's
-    prefill stores (its header exactly, its KV to float rounding: the chunks attend in other
-    row blocks), the partial tail included."""
+    """Two pipeline stages (layers 0-1 and 2-3, an engine each), running at once, the
+    activations between them over a tcp inbox, chunks that do not fall on block boundaries:
+    the leader starts the put, the other stage joins it from the shared plan with its own
+    client, each writes its layers of a block once the chunk completing it has run, the
+    leader credits and commits. Every object is what one worker's prefill stores (its header
+    exactly, its KV to float rounding: the chunks attend in other row blocks), the partial
+    tail included, and the last stage's logits are the single prefill's."""
     import threading
 
     from mooncake.engine import Engine, ModelSpec, dummy_model
-    from mooncake.engine.stage import run_chunk
-    from mooncake.serving.cpp_kv import StageBlockWriter
+    from mooncake.serving.activations import Inbox, Outbox, inbox_bytes, slot_bytes
+    from mooncake.serving.cpp_stage import StageBlockWriter, run_stage
     from mooncake.serving.kvstore import write_targets
     from mooncake.serving.prefill_kv import prefill_with_store
+    from mooncake.store.segment import Segment
+    from mooncake.store.transfer import SegmentTable, make_client, make_server
 
     await cluster.add_node("n1", transports=("shm", "tcp"))
     leader, other = cluster.client(("shm", "tcp")), cluster.client(("tcp",))
     spec = ModelSpec(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, context=256)
-    engine = Engine(dummy_model(spec), block_tokens=16)
+    one, first, second = (Engine(dummy_model(spec), block_tokens=16) for _ in range(3))
     tokens = [(7 * i) % 64 for i in range(75)]  # four whole blocks and an 11-token tail
-    one = await prefill_with_store(
-        engine, leader, tokens, cached_blocks=0, tail_key="tail-one", preferred_segment=None,
+    single = await prefill_with_store(
+        one, leader, tokens, cached_blocks=0, tail_key="tail-one", preferred_segment=None,
         cancelled=threading.Event(),
     )  # fmt: skip
-    keys = [f"cpp-{k}" for k in one.block_keys]  # the same blocks, under keys of their own
+    keys = [f"cpp-{k}" for k in single.block_keys]  # the same blocks, under keys of their own
     targets = write_targets(keys, len(tokens), 16, 0, "tail-cpp")
-    put = await leader.start_put([(t.key, engine.layout.object_size(t.tokens)) for t in targets])
+    put = await leader.start_put([(t.key, one.layout.object_size(t.tokens)) for t in targets])
     joined = other.join_put(p.SharedPut.model_validate_json(put.share().model_dump_json()))
-    stages = [((0, 2), engine.new_kv(), put), ((2, 4), engine.new_kv(), joined)]
-    writers = [
-        StageBlockWriter(handle, engine.layout, kv, layers, targets, header=layers[0] == 0)
-        for layers, kv, handle in stages
-    ]
-    wrote: list[list[int]] = [[], []]
-    for a, b in ((0, 20), (20, 53), (53, 75)):  # chunks across block boundaries
-        x: list[int] | torch.Tensor = tokens[a:b]
-        for s, ((layers, kv, _), writer) in enumerate(zip(stages, writers, strict=True)):
-            x = run_chunk(engine, kv, layers, a, x)
-            wrote[s].append(await writer.chunk_done(b))
-    assert wrote == [[1, 2, 2], [1, 2, 2]]  # blocks 0 / 1-2 / 3 and the tail
+    chunks = [(0, 20), (20, 53), (53, 75)]  # across block boundaries
+
+    slot = slot_bytes(33, spec.hidden)
+    segment = Segment.create_dram("cpp-inbox-1", "stage-1", inbox_bytes(2, 33, spec.hidden))
+    table = SegmentTable()
+    table.add(segment)
+    server, sender = make_server("tcp", secret=SECRET), make_client("tcp", secret=SECRET)
+    await server.start(table)
+    try:
+        inbox = Inbox(segment, 2, slot)
+        outbox = Outbox(sender, server.endpoint("cpp-inbox-1"), "cpp-inbox-1", 2, slot)
+        kvs = (first.new_kv(), second.new_kv())
+        writers = (
+            StageBlockWriter(put, first.layout, kvs[0], (0, 2), targets, header=True),
+            StageBlockWriter(joined, second.layout, kvs[1], (2, 4), targets, header=False),
+        )
+        none, logits = await asyncio.gather(
+            run_stage(first, kvs[0], (0, 2), chunks, tokens, inbox=None, outbox=outbox,
+                      writer=writers[0]),
+            run_stage(second, kvs[1], (2, 4), chunks, tokens, inbox=inbox, outbox=None,
+                      writer=writers[1]),
+        )  # fmt: skip
+    finally:
+        await sender.close()
+        await server.stop()
+        table.remove("cpp-inbox-1")
+        segment.close()
+    assert none is None and logits is not None
+    assert torch.allclose(logits, single.prefilled.logits, atol=1e-5, rtol=0)
+    assert [w.written_blocks for w in writers] == [len(targets)] * 2
     put.credit(*joined.written())
     assert set((await put.commit()).values()) == {None}
-    for t, theirs in zip(targets, [*one.block_keys, "tail-one"], strict=True):
+    for t, theirs in zip(targets, [*single.block_keys, "tail-one"], strict=True):
         got, want = await other.get(t.key), await leader.get(theirs)
         assert got is not None and want is not None and len(got) == len(want), t
         as_read = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (got, want)]
-        # the same header, and the same KV to float rounding (chunks: other row blocks)
-        ours, single = (engine.layout.payload(raw, t.tokens) for raw in as_read)
-        assert torch.allclose(ours, single, atol=1e-5, rtol=0), t
-    one.release()
-    for _, kv, _ in stages:
+        # the same header, and the same KV to float rounding
+        ours, one_s = (one.layout.payload(raw, t.tokens) for raw in as_read)
+        assert torch.allclose(ours, one_s, atol=1e-5, rtol=0), t
+    single.release()
+    for kv in kvs:
         kv.release()
 
 

@@ -1,4 +1,14 @@
-"""A chunked-pipeline stage's share of the prompt's KV in the store (issue 19, docs/cpp.md).
+"""One stage of a chunked-pipeline prefill (CPP, issue 19, docs/cpp.md): the prompt's chunks
+through its layers (`run_stage`), and its share of the prompt's KV in the store
+(`StageBlockWriter`).
+
+`run_stage` is the loop every stage runs, wherever it runs (`bench cpp`'s stage processes,
+a prefill worker serving a stage): stage 0 embeds the chunk's token ids, a later stage takes
+the previous stage's activations from its `Inbox` (serving/activations.py: over the store's
+transfer engine, never NATS); each chunk's output goes on to the next stage's inbox as soon
+as it is computed (so stage s works on chunk k while stage s + 1 works on chunk k - 1), and
+only then are the blocks it completed written; the last stage returns the last position's
+logits.
 
 Each stage of a CPP group holds, in its own engine pool, the KV of its layer range only. The
 store keeps a block as one object of every layer (`engine.kv.BlockLayout`), and a decode
@@ -14,11 +24,18 @@ leaves its blocks revoked, never half-written.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
+from mooncake.engine.engine import Engine
 from mooncake.engine.kv import BlockLayout
 from mooncake.engine.pool import PagedKV
+from mooncake.engine.stage import run_chunk
+from mooncake.serving.activations import Inbox, Outbox
 from mooncake.serving.kvstore import Target, layer_piece
 from mooncake.store.client import PutHandle
 
@@ -57,3 +74,39 @@ class StageBlockWriter:
         if parts:
             await self.put.write(parts)
         return self.written_blocks - before
+
+
+async def run_stage(
+    engine: Engine,
+    kv: PagedKV,
+    layers: tuple[int, int],
+    chunks: Sequence[tuple[int, int]],
+    tokens: Sequence[int],
+    *,
+    inbox: Inbox | None,
+    outbox: Outbox | None,
+    writer: StageBlockWriter | None = None,
+    busy: list[float] | None = None,
+) -> Tensor | None:
+    """Every chunk [a, b) of `tokens` through `layers`: from the token ids where `inbox` is
+    None (stage 0), else from the activations it receives; each output to `outbox`, or, on
+    the last stage (`outbox` None), the last chunk's last-position logits, returned. The
+    compute runs in a worker thread (the event loop keeps moving activations and KV);
+    `busy` gets each chunk's compute seconds."""
+    logits = None
+    for k, (a, b) in enumerate(chunks):
+        chunk: Sequence[int] | Tensor = (
+            tokens[a:b] if inbox is None else (await inbox.receive())[None]
+        )
+        final = outbox is None and k == len(chunks) - 1
+        t0 = time.perf_counter()
+        out = await asyncio.to_thread(run_chunk, engine, kv, layers, a, chunk, logits=final)
+        if busy is not None:
+            busy.append(time.perf_counter() - t0)
+        if outbox is not None:
+            await outbox.send(out)  # the next stage's input first: it is on the critical path
+        elif final:
+            logits = out
+        if writer is not None:
+            await writer.chunk_done(b)
+    return logits
