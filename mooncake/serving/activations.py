@@ -35,6 +35,15 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POLL_S = 0.0005  # a chunk of a long prefill takes 10s-1000s of ms: polling costs nothing
 
 
+class Aborted(Exception):
+    """The pipeline was given up (`abort` set) while a stage waited on its inbox or outbox."""
+
+
+def _check(abort: asyncio.Event | None) -> None:
+    if abort is not None and abort.is_set():
+        raise Aborted("the pipeline was given up")
+
+
 def slot_bytes(max_rows: int, cols: int, itemsize: int = 4) -> int:
     return SLOT_HEADER + max_rows * cols * itemsize
 
@@ -54,11 +63,13 @@ class Inbox:
         self.received = 0
         RING.pack_into(segment.buf, 0, 0, 0)
 
-    async def receive(self, timeout_s: float = 600.0) -> Tensor:
-        """The next chunk [rows, cols] (a copy: its slot is free again once this returns)."""
+    async def receive(self, timeout_s: float = 600.0, abort: asyncio.Event | None = None) -> Tensor:
+        """The next chunk [rows, cols] (a copy: its slot is free again once this returns);
+        `Aborted` once `abort` is set."""
         buf, want = self.segment.buf, self.received + 1
         deadline = time.monotonic() + timeout_s
         while RING.unpack_from(buf, 0)[0] < want:
+            _check(abort)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no chunk {want} within {timeout_s:g} s")
             await asyncio.sleep(POLL_S)
@@ -87,9 +98,11 @@ class Outbox:
     def _region(self, offset: int, length: int) -> Region:
         return Region(self.segment_id, offset, length)
 
-    async def send(self, x: Tensor, timeout_s: float = 600.0) -> None:
+    async def send(
+        self, x: Tensor, timeout_s: float = 600.0, abort: asyncio.Event | None = None
+    ) -> None:
         """Chunk `x` (any shape, its last dimension the columns) to the inbox, once a slot is
-        free there."""
+        free there; `Aborted` once `abort` is set."""
         flat = x.detach().to("cpu").contiguous().reshape(-1, x.shape[-1])
         data = flat.view(torch.uint8).reshape(-1)  # any dtype, byte for byte
         if data.numel() > self.slot_size - SLOT_HEADER:
@@ -97,6 +110,7 @@ class Outbox:
         seq = self.sent + 1
         deadline = time.monotonic() + timeout_s
         while seq - self._read_consumed(await self._fetch_consumed()) > self.slots:
+            _check(abort)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the receiver took no chunk within {timeout_s:g} s")
             await asyncio.sleep(POLL_S)

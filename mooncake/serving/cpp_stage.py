@@ -35,9 +35,10 @@ from mooncake.engine.engine import Engine
 from mooncake.engine.kv import BlockLayout
 from mooncake.engine.pool import PagedKV
 from mooncake.engine.stage import run_chunk
-from mooncake.serving.activations import Inbox, Outbox
+from mooncake.serving.activations import Aborted, Inbox, Outbox
 from mooncake.serving.kvstore import Target, layer_piece
 from mooncake.store.client import PutHandle
+from mooncake.telemetry import tracer
 
 
 @dataclass(slots=True)
@@ -87,24 +88,33 @@ async def run_stage(
     outbox: Outbox | None,
     writer: StageBlockWriter | None = None,
     busy: list[float] | None = None,
+    abort: asyncio.Event | None = None,
 ) -> Tensor | None:
     """Every chunk [a, b) of `tokens` through `layers`: from the token ids where `inbox` is
     None (stage 0), else from the activations it receives; each output to `outbox`, or, on
     the last stage (`outbox` None), the last chunk's last-position logits, returned. The
     compute runs in a worker thread (the event loop keeps moving activations and KV);
-    `busy` gets each chunk's compute seconds."""
+    `busy` gets each chunk's compute seconds; `abort` (set by whoever watches the group)
+    stops it between chunks and in every wait (`activations.Aborted`)."""
     logits = None
     for k, (a, b) in enumerate(chunks):
         chunk: Sequence[int] | Tensor = (
-            tokens[a:b] if inbox is None else (await inbox.receive())[None]
+            tokens[a:b] if inbox is None else (await inbox.receive(abort=abort))[None]
         )
+        if abort is not None and abort.is_set():
+            raise Aborted("the pipeline was given up")
         final = outbox is None and k == len(chunks) - 1
         t0 = time.perf_counter()
-        out = await asyncio.to_thread(run_chunk, engine, kv, layers, a, chunk, logits=final)
+        with tracer().start_as_current_span(
+            "cpp chunk", attributes={"mc.cpp.chunk": k, "mc.cpp.start": a, "mc.cpp.end": b,
+                                     "mc.cpp.layers": f"{layers[0]}-{layers[1]}"},
+        ):  # fmt: skip
+            out = await asyncio.to_thread(run_chunk, engine, kv, layers, a, chunk, logits=final)
         if busy is not None:
             busy.append(time.perf_counter() - t0)
         if outbox is not None:
-            await outbox.send(out)  # the next stage's input first: it is on the critical path
+            # The next stage's input first: it is on the critical path.
+            await outbox.send(out, abort=abort)
         elif final:
             logits = out
         if writer is not None:

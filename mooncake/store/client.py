@@ -106,6 +106,15 @@ class StoreClient:
             t = self._transports[name] = make_client(name, **opts)
         return t
 
+    def route(self, endpoints: dict[str, str]) -> tuple[Transport, str] | None:
+        """The transport (this client's, opened once) and endpoint this process reaches a
+        segment by, the preferred one first; None if none reaches it."""
+        routes = self._route(endpoints)
+        if not routes:
+            return None
+        name, endpoint = routes[0]
+        return self._transport(name), endpoint
+
     def _route(self, endpoints: dict[str, str]) -> list[tuple[str, str]]:
         """(transport, endpoint) pairs that reach a segment, in preference order."""
         out = []

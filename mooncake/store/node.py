@@ -155,6 +155,16 @@ class StoreNode:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def serve(self, segment: Segment) -> dict[str, str]:
+        """Serve a segment of the caller's (a CPP stage's activation inbox) through this
+        node's transports, outside the pool (the master never places objects in it): its
+        endpoint per transport. The caller `unserve`s and closes it."""
+        self.table.add(segment)
+        return {s.name: s.endpoint(segment.info.segment_id) for s in self.servers}
+
+    def unserve(self, segment_id: str) -> None:
+        self.table.remove(segment_id)
+
     def segment_infos(self) -> list[p.SegmentWire]:
         out = []
         for seg in self.segments:
