@@ -209,6 +209,27 @@ class ConductorSettings(BaseModel):
     tenant_contention: Annotated[float, Field(ge=0)] = 0.5
 
 
+class CppSettings(BaseModel):
+    """Chunked pipeline parallelism (docs/cpp.md): when the Conductor prefills a long prompt
+    on a group of prefill instances (`core.cpp.CppConfig`), and how a group meets."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # The largest group; 1: every prefill on one instance (the default).
+    max_stages: Annotated[int, Field(ge=1, le=64)] = 1
+    chunk_tokens: Annotated[int, Field(ge=16, le=1 << 20)] = 1024
+    # A group must cut the request's TTFT by this factor, and keep this share of its
+    # instances' time busy (`core.cpp.CppConfig`).
+    min_gain: Annotated[float, Field(ge=1.0)] = 1.2
+    min_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.95
+    # Chunks in flight between two stages (the receiver's inbox ring).
+    slots: Annotated[int, Field(ge=1, le=16)] = 2
+    # How long a stage waits for the rest of its group to start the prompt (the leader for
+    # its members, a member for its leader) before it gives the group up: the leader then
+    # prefills alone, the member drops its stage. Gangs wait for each other's queues.
+    gang_wait_s: Annotated[float, Field(gt=0)] = 60.0
+
+
 class GatewaySettings(BaseModel):
     """The OpenAI-compatible HTTP gateway (workers/gateway.py)."""
 
@@ -299,6 +320,7 @@ class Settings(BaseSettings):
     # prediction without its uniform t_d; "none" admits whatever an instance can take.
     admission_policy: Literal["none", "baseline", "early", "predicted", "forecast"] = "early"
     conductor: ConductorSettings = ConductorSettings()
+    cpp: CppSettings = CppSettings()
     gateway: GatewaySettings = GatewaySettings()
 
     # OpenTelemetry: spans are created always, exported only when an endpoint is set.

@@ -196,6 +196,11 @@ class RequestPrefilled(RequestEvent):
     kv_keys: list[str] = []
     first_token_id: Annotated[int, Field(ge=0)] | None = None
     prefill_s: Annotated[float, Field(ge=0)] = 0.0
+    # A chunked-pipeline prefill (docs/cpp.md): the group that prefilled it, stage 0 first
+    # (empty: one instance), and, where the Conductor chose a group that did not finish it,
+    # why (`instance` then prefilled it alone).
+    stages: Annotated[list[SubjectToken], Field(max_length=64)] = []
+    cpp_fallback: Annotated[str, Field(max_length=1000)] | None = None
 
 
 class DecodeStarted(RequestEvent):

@@ -142,6 +142,15 @@ INSTANCES_DECLARED_DEAD = Counter(
     "Instances the Conductor declared dead after their load reports stopped",
     ["role"],
 )
+CPP_FALLBACKS = Counter(
+    "mc_cpp_fallbacks_total",
+    "Prefills whose CPP group was given up, so that the leader prefilled them alone",
+)
+CPP_STAGES = Counter(
+    "mc_cpp_stages_total",
+    "CPP stages a prefill instance served for a group another one led, by outcome",
+    ["outcome"],
+)
 WORK_REDISPATCHED = Counter(
     "mc_work_redispatched_total",
     "Work of a dead instance dispatched again to a live one, by stage",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mooncake.events import Identifier, SamplingParams, SubjectToken, derived_event_id
 from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, DEFAULT_TENANT
@@ -43,6 +43,29 @@ class Timing(Wire):
     deadline_at: float | None = None  # past it, the request is cancelled wherever it is
 
 
+class CppStage(Wire):
+    """This instance's part in a chunked-pipeline prefill (docs/cpp.md): stage `stage` of
+    the group `group` (stage 0 leads: it holds the request's work, starts the KV put and
+    hands the request over to decode), over the chunks [start, end) of the prompt."""
+
+    group: Annotated[list[SubjectToken], Field(min_length=2, max_length=64)]
+    stage: Annotated[int, Field(ge=0, le=63)]
+    chunks: Annotated[list[tuple[TokenId, TokenId]], Field(min_length=1, max_length=1 << 16)]
+
+    @model_validator(mode="after")
+    def _plan(self) -> CppStage:
+        if self.stage >= len(self.group):
+            raise ValueError(f"stage {self.stage} of a group of {len(self.group)}")
+        if len(set(self.group)) != len(self.group):
+            raise ValueError("an instance appears twice in the group")
+        end = self.chunks[0][0]
+        for a, b in self.chunks:
+            if a != end or b <= a:
+                raise ValueError("chunks must follow each other, each at least one token")
+            end = b
+        return self
+
+
 class PrefillWork(Wire):
     request_id: Identifier
     attempt: Annotated[int, Field(ge=1)] = 1
@@ -62,6 +85,8 @@ class PrefillWork(Wire):
     # with it and the model id (`hashing.cache_salt`).
     cache_namespace: Annotated[str, Field(max_length=128)] = DEFAULT_CACHE_NAMESPACE
     tenant: SubjectToken = DEFAULT_TENANT
+    # Prefilled by a group (CPP) rather than by one instance: this instance's stage.
+    cpp: CppStage | None = None
 
 
 class DecodeWork(Wire):
@@ -208,6 +233,11 @@ class WorkSubjects:
 
     def cancel(self) -> str:
         return self.ns.subject("mc.req.cancel")
+
+    def cpp(self, instance: str) -> str:
+        """Where a prefill instance answers the members of the CPP groups it leads (core
+        NATS request-reply, outside every stream's subjects)."""
+        return self.ns.subject(f"mc.cpp.{instance}")
 
     def read_back(self) -> str:
         """The token read-back service (outside every stream's subjects)."""

@@ -58,6 +58,7 @@ from mooncake.config import Settings
 from mooncake.engine import Engine, EngineError
 from mooncake.engine.batch import is_stop_token
 from mooncake.engine.sampling import make_generator, sample
+from mooncake.serving.cpp_group import CppGroups, GroupFailed
 from mooncake.serving.ending import Ender, final, observe_completed
 from mooncake.serving.engine_tier import EngineTier
 from mooncake.serving.kvstore import TIERS, PrefillCancelled
@@ -143,6 +144,8 @@ class PrefillWorker:
             prefetch=False,
         )  # fmt: skip
         self.running: Running | None = None
+        self.groups = CppGroups(ctx.nc, self.subjects, ctx.instance_id, engine, store,
+                                ctx.settings)  # fmt: skip
         self._done: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
         self._copying: dict[int, asyncio.Task[None]] = {}  # replications holding a prompt's KV
@@ -161,6 +164,7 @@ class PrefillWorker:
         await self.consumer.ensure()  # work sent meanwhile waits in it, not lost
         self.calibration = await calibrate_engine(self.engine, self._ctx.settings, ROLE)
         sub = await self._ctx.nc.subscribe(self.subjects.cancel(), cb=self._on_cancel)
+        await self.groups.start()
         reports = asyncio.create_task(self._report_load())
         tier = EngineTier(self._ctx.nc, self._ctx.ns, self._ctx.instance_id, self.engine.pool.pages)
         announce = asyncio.create_task(tier.run())
@@ -173,6 +177,7 @@ class PrefillWorker:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+            await self.groups.stop()
             await cancel_all([reports, announce, *self._background])
 
     async def _on_cancel(self, msg: Msg) -> None:
@@ -205,6 +210,8 @@ class PrefillWorker:
                 return await self._cancelled(work, "deadline")
             interval = max(self._ctx.settings.bus.ack_wait_s / 3, 0.1)
             async with keep_alive(d, interval):
+                if work.cpp is not None and work.cpp.stage > 0:
+                    return await self._stage(work, d, running)
                 return await self._prefill(work, d, running)
         finally:
             self.running = None
@@ -221,6 +228,8 @@ class PrefillWorker:
         )
         timer = self._deadline_timer(work, running)
         started = time.perf_counter()
+        stages: list[str] = []
+        fallback = None
         try:
             with tracer().start_as_current_span(
                 "prefill compute",
@@ -229,17 +238,37 @@ class PrefillWorker:
                     "mc.tokens": len(work.token_ids),
                     "mc.tenant": work.tenant,
                 },
-            ):
-                done = await prefill_with_store(
-                    self.engine,
-                    self.store.client,
-                    work.token_ids,
-                    cached_blocks=work.cached_blocks,
-                    tail_key=tail_key(work.request_id, work.attempt),
-                    preferred_segment=self.store.dram_segment,
-                    cancelled=running.stop,
-                    namespace=work.cache_namespace,
-                )
+            ) as span:
+                done = None
+                if work.cpp is not None:
+                    span.set_attribute("mc.cpp.group", ",".join(work.cpp.group))
+                    span.set_attribute("mc.cpp.chunks", len(work.cpp.chunks))
+                if work.cpp is not None and d.num_delivered > 1:
+                    # Redelivered (this instance restarted, or a try failed): its members
+                    # have moved on, and a group met out of the Conductor's order could
+                    # wait on another. Alone.
+                    fallback = f"delivery {d.num_delivered}: a group meets on the first only"
+                elif work.cpp is not None:
+                    try:
+                        done = await self.groups.lead(work, running.stop)
+                        stages = list(work.cpp.group)
+                    except GroupFailed as exc:
+                        fallback = str(exc)
+                        log.warning("%s: its group gave up (%s); prefilling it alone",
+                                    work.request_id, fallback)  # fmt: skip
+                        span.set_attribute("mc.cpp.fallback", fallback)
+                        metrics.CPP_FALLBACKS.inc()
+                if done is None:
+                    done = await prefill_with_store(
+                        self.engine,
+                        self.store.client,
+                        work.token_ids,
+                        cached_blocks=work.cached_blocks,
+                        tail_key=tail_key(work.request_id, work.attempt),
+                        preferred_segment=self.store.dram_segment,
+                        cancelled=running.stop,
+                        namespace=work.cache_namespace,
+                    )
         except EngineError as exc:
             return await self._failed(work, "invalid_prompt", str(exc))
         except PrefillCancelled:
@@ -256,7 +285,7 @@ class PrefillWorker:
         self.last = done
         observe_prefill(done, len(work.token_ids), self.engine.block_tokens)
         try:
-            return await self._hand_over(work, done, prefill_s)
+            return await self._hand_over(work, done, prefill_s, stages, fallback)
         except Exception as exc:
             return await self._transient(work, d, exc)
         finally:
@@ -265,6 +294,41 @@ class PrefillWorker:
             # After the hand-over (not on the way to the first token): what the prefill freed.
             await asyncio.to_thread(memory.release_free_heap)
 
+    async def _stage(self, work: PrefillWork, d: Delivery, running: Running) -> Outcome:
+        """A stage of a group another instance leads (`cpp_group.CppGroups.serve_stage`).
+        The leader owns the request: this stage never ends it, it only does its part or
+        drops it (the leader then prefills alone), and acks either way. A redelivered stage
+        is dropped: its leader gave the group up when this instance went silent, and a
+        stage met out of the Conductor's order could keep another group waiting."""
+        assert work.cpp is not None
+        if await self._ended(work) or d.num_delivered > 1:
+            metrics.CPP_STAGES.labels("dropped").inc()
+            return ACK
+        timer = self._deadline_timer(work, running)
+        try:
+            with tracer().start_as_current_span(
+                "prefill stage",
+                attributes={
+                    "mc.request_id": work.request_id,
+                    "mc.cpp.stage": work.cpp.stage,
+                    "mc.cpp.leader": work.cpp.group[0],
+                    "mc.cpp.chunks": len(work.cpp.chunks),
+                },
+            ) as span:
+                why = await self.groups.serve_stage(work, running.stop)
+                if why is not None:
+                    span.set_attribute("mc.cpp.dropped", why)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if why is None:
+            metrics.CPP_STAGES.labels("done").inc()
+        else:
+            metrics.CPP_STAGES.labels("dropped").inc()
+            log.info("stage %d of %s dropped: %s", work.cpp.stage, work.request_id, why)
+        await asyncio.to_thread(memory.release_free_heap)
+        return ACK
+
     def _deadline_timer(self, work: PrefillWork, running: Running) -> asyncio.TimerHandle | None:
         deadline = work.timing.deadline_at
         if deadline is None:
@@ -272,8 +336,12 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         return loop.call_later(max(deadline - time.time(), 0.0), running.halt, "deadline")
 
-    async def _hand_over(self, work: PrefillWork, done: StoredPrefill, prefill_s: float) -> Outcome:
-        """First token to the client, then the facts and the decode work."""
+    async def _hand_over(
+        self, work: PrefillWork, done: StoredPrefill, prefill_s: float,
+        stages: list[str] | None = None, fallback: str | None = None,
+    ) -> Outcome:  # fmt: skip
+        """First token to the client, then the facts and the decode work. `stages`: the CPP
+        group that prefilled it; `fallback`: why the group it was given did not."""
         ctx = self._ctx
         token = first_token(self.engine, done, work.params)
         first_at = time.time()
@@ -300,6 +368,8 @@ class PrefillWorker:
                 kv_keys=done.block_keys,
                 first_token_id=token,
                 prefill_s=prefill_s,
+                stages=stages or [],
+                cpp_fallback=fallback[:1000] if fallback else None,
             )
         )
         if ends_here:

@@ -76,6 +76,25 @@ def chunk_ranges(
     return list(itertools.pairwise(bounds))
 
 
+# No chunk longer than this many times `chunk_tokens` (`capped`): a stage's inbox is sized
+# for the longest chunk, and its memory is part of the worker's stated bound.
+MAX_CHUNK_FACTOR = 4
+
+
+def capped(chunks: Sequence[tuple[int, int]], max_tokens: int) -> list[tuple[int, int]]:
+    """`chunks` with every chunk longer than `max_tokens` cut into the fewest even pieces
+    that fit (equal-cost chunks of a very long prompt start long: its first tokens attend
+    over little)."""
+    if max_tokens < 1:
+        raise ValueError("chunks hold at least one token")
+    out: list[tuple[int, int]] = []
+    for a, b in chunks:
+        pieces = -(-(b - a) // max_tokens)
+        bounds = [a + (b - a) * i // pieces for i in range(pieces + 1)]
+        out += list(itertools.pairwise(bounds))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class CppPlan:
     """How one prefill runs: the stages' layers and the chunks' positions."""

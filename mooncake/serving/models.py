@@ -15,6 +15,7 @@ from mooncake.engine import Engine, dummy_model
 from mooncake.engine import SamplingParams as EngineSampling
 from mooncake.engine.profile import calibrate
 from mooncake.model_info import dummy_spec
+from mooncake.serving.cpp_group import inbox_bytes_bound
 from mooncake.work import EngineTiming
 
 log = logging.getLogger("mooncake.engine")
@@ -53,7 +54,9 @@ def build_engine(settings: Settings) -> Engine:
         decode=s.decode,
     )
     # Prefill and decode workers embed a store node whose DRAM segment they hold too.
-    log.info("%s", memory_statement(engine, settings.store.dram_bytes))
+    spec = engine.spec
+    inbox = inbox_bytes_bound(settings, spec.hidden, spec.vocab_size)
+    log.info("%s", memory_statement(engine, settings.store.dram_bytes, inbox))
     kept = "quantized blocks" if model.quantized() else "float32"
     log.info("engine: weights as %s, %s decode steps", kept, engine.decode_path)
     return engine
@@ -76,15 +79,17 @@ def weights_bytes(engine: Engine) -> int:
     return engine.model.weight_bytes()
 
 
-def memory_statement(engine: Engine, segment_bytes: int = 0) -> str:
-    """The budget a worker states at start: what it holds and the bound it keeps to."""
+def memory_statement(engine: Engine, segment_bytes: int = 0, inbox_bytes: int = 0) -> str:
+    """The budget a worker states at start: what it holds and the bound it keeps to
+    (`inbox_bytes`: its CPP activation inboxes, where groups are on)."""
     pool, mib = engine.pool, memory.MIB
     weights = weights_bytes(engine)
-    bound = memory.bound_bytes(weights, pool.budget_bytes, segment_bytes)
+    bound = memory.bound_bytes(weights, pool.budget_bytes, segment_bytes + inbox_bytes)
+    inbox = f" + CPP inbox {inbox_bytes / mib:.0f} MiB" if inbox_bytes else ""
     return (
         f"memory: weights {weights / mib:.0f} MiB + KV pool {pool.budget_bytes / mib:.0f} MiB "
         f"({pool.capacity_tokens:,} tokens in {pool.pages.total:,} pages of "
-        f"{pool.page_tokens}) + store segment {segment_bytes / mib:.0f} MiB + other "
+        f"{pool.page_tokens}) + store segment {segment_bytes / mib:.0f} MiB{inbox} + other "
         f"{memory.OTHER_ALLOWANCE / mib:.0f} MiB = bound {bound / mib:.0f} MiB"
     )
 

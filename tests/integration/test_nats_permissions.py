@@ -630,3 +630,25 @@ async def wait_for_true(check: Callable[[], bool], within_s: float = 3.0) -> Non
     while not check():
         assert time.monotonic() < deadline, "not within the time"
         await asyncio.sleep(0.02)
+
+
+async def test_prefill_instances_meet_as_cpp_groups(broker: str, admin: NATS) -> None:
+    """A CPP stage asks its group's leader over `mc.cpp.<leader>` and the leader answers
+    (serving/cpp_group.py); the decode role may not ask."""
+    leader, member = await as_role(broker, "prefill"), await as_role(broker, "prefill")
+    decode = await as_role(broker, "decode")
+    try:
+
+        async def answer(msg: Msg) -> None:
+            await msg.respond(b'{"state": "wait"}')
+
+        await leader.subscribe(WORK.cpp("p0"), cb=answer)
+        await leader.flush()
+        reply = await member.request(WORK.cpp("p0"), b"{}", timeout=3)
+        assert reply.data == b'{"state": "wait"}'
+        assert leader.last_error is None and member.last_error is None
+        await decode.publish(WORK.cpp("p0"), b"{}")
+        await permission_error(decode, WORK.cpp("p0"))
+    finally:
+        for nc in (leader, member, decode):
+            await nc.close()

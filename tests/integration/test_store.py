@@ -9,6 +9,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nats
 import numpy as np
@@ -659,6 +660,139 @@ async def test_a_cpp_groups_blocks_are_stored_as_one_worker_stores_them(
     single.release()
     for kv in kvs:
         kv.release()
+
+
+def _cpp_work(tokens: list[int], chunks: list[tuple[int, int]], stage: int) -> Any:
+    from mooncake.work import CppStage, PrefillWork, Timing
+
+    return PrefillWork(
+        request_id="r-cpp", token_ids=tokens, prefill_instance="lead", decode_instance="d0",
+        timing=Timing(submitted_at=0.0), admitted_event_id="adm-cpp", cached_blocks=0,
+        cpp=CppStage(group=["lead", "member"], stage=stage, chunks=chunks),
+    )  # fmt: skip
+
+
+async def _cpp_groups(cluster: Cluster, gang_wait_s: float = 5.0) -> tuple[Any, Any, Any]:
+    """Two prefill instances' CPP sides (`serving/cpp_group.CppGroups`), a node and an
+    engine each (the same seeded model), and one engine for the single prefill."""
+    from mooncake.config import ConductorSettings, CppSettings, Settings
+    from mooncake.engine import Engine, ModelSpec, dummy_model
+    from mooncake.serving.cpp_group import CppGroups
+    from mooncake.serving.local_store import LocalStore
+    from mooncake.work import WorkSubjects
+
+    spec = ModelSpec(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, context=256)
+    settings = Settings(
+        conductor=ConductorSettings(liveness_timeout_s=0.5),
+        cpp=CppSettings(gang_wait_s=gang_wait_s),
+    )
+    sides = []
+    for name in ("lead", "member"):
+        node = await cluster.add_node(name, transports=("shm", "tcp"))
+        store = LocalStore(node, cluster.client(("shm", "tcp")))
+        engine = Engine(dummy_model(spec), block_tokens=16)
+        groups = CppGroups(cluster.nc, WorkSubjects(cluster.ns), name, engine, store, settings)
+        await groups.start()
+        sides.append(groups)
+    return sides[0], sides[1], Engine(dummy_model(spec), block_tokens=16)
+
+
+async def test_a_cpp_group_of_two_instances_meets_and_prefills_as_one_worker(
+    cluster: Cluster,
+) -> None:
+    """The live group (serving/cpp_group.py): the leader and a member meet over NATS, the
+    chunks flow through the member's inbox, the logits come back to the leader's, each
+    writes its layers into the leader's put, and the leader commits: the same logits as one
+    prefill, and every block and the tail stored whole, readable as one worker's."""
+    import threading
+
+    from mooncake.serving.prefill_kv import prefill_with_store
+
+    leader, member, one = await _cpp_groups(cluster)
+    try:
+        tokens = [(5 * i + 3) % 64 for i in range(75)]
+        chunks = [(0, 20), (20, 53), (53, 75)]
+        stop = threading.Event()
+        done, dropped = await asyncio.gather(
+            leader.lead(_cpp_work(tokens, chunks, 0), stop),
+            member.serve_stage(_cpp_work(tokens, chunks, 1), stop),
+        )
+        assert dropped is None
+        single = await prefill_with_store(
+            one, leader.store.client, tokens, cached_blocks=0, tail_key="tail-one",
+            preferred_segment=None, cancelled=threading.Event(), namespace="elsewhere",
+        )  # fmt: skip
+        assert torch.allclose(done.prefilled.logits, single.prefilled.logits, atol=1e-5, rtol=0)
+        assert done.tail_tokens == 11 and done.tail_key is not None
+        assert done.written == [*done.block_keys, done.tail_key]
+        client = member.store.client
+        theirs = [*single.block_keys, "tail-one"]
+        for ours, other, n in zip(done.written, theirs, [16] * 4 + [11], strict=True):
+            got, want = await client.get(ours), await client.get(other)
+            assert got is not None and want is not None and len(got) == len(want), ours
+            raw = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (got, want)]
+            a, b = (one.layout.payload(r, n) for r in raw)
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), ours
+        # a late ask about the finished group is told it is over
+        ask = member._asker(_cpp_work(tokens, chunks, 1))
+        assert (await ask("beat")).state == "gone"
+        done.release()
+        single.release()
+    finally:
+        await leader.stop()
+        await member.stop()
+
+
+async def test_a_cpp_leader_gives_its_group_up_when_a_member_never_comes_or_dies(
+    cluster: Cluster,
+) -> None:
+    """No member within `gang_wait_s`: GroupFailed, the put aborted (nothing stored). A
+    member that dies after joining (its task cancelled: it never reports) goes silent:
+    GroupFailed after `liveness_timeout_s`, and the member's late ask is told `gone`."""
+    import threading
+
+    from mooncake.serving.cpp_group import GroupFailed
+
+    leader, member, _ = await _cpp_groups(cluster, gang_wait_s=0.5)
+    try:
+        tokens = [(3 * i + 1) % 64 for i in range(75)]
+        chunks = [(0, 40), (40, 75)]
+        stop = threading.Event()
+        with pytest.raises(GroupFailed, match="did not start"):
+            await leader.lead(_cpp_work(tokens, chunks, 0), stop)
+        keys = leader.engine.block_keys(tokens, "default")
+        assert not any(await leader.store.client.exists_many(keys))
+
+        # The member joins, then dies in its second chunk (its task cancelled while the
+        # chunk computes: it never reports again).
+        work = _cpp_work(tokens, chunks, 1).model_copy(update={"attempt": 2})
+        lead_work = _cpp_work(tokens, chunks, 0).model_copy(update={"attempt": 2})
+        real_run = member.engine.model.run_layers
+        calls, stuck, gate = 0, threading.Event(), threading.Event()
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                stuck.set()
+                gate.wait(10)
+                raise RuntimeError("this stage is dead")
+            return real_run(*args, **kwargs)
+
+        member.engine.model.run_layers = dying  # type: ignore[method-assign]
+        task = asyncio.create_task(member.serve_stage(work, stop))
+        leading = asyncio.create_task(leader.lead(lead_work, stop))
+        await wait_for(lambda: _async(stuck.is_set()), 10, "the member's second chunk")
+        task.cancel()
+        with pytest.raises(GroupFailed, match="went silent"):
+            await leading
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not any(await leader.store.client.exists_many(keys))
+    finally:
+        await leader.stop()
+        await member.stop()
 
 
 async def test_a_lost_last_kv_batch_is_seen_at_the_node_s_next_tip(cluster: Cluster) -> None:

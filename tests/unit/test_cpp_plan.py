@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from mooncake.core.cpp import (
     CppConfig,
     CppPlan,
+    capped,
     choose_group,
     chunk_ranges,
     cpp_ttft_s,
@@ -38,6 +39,23 @@ def test_chunks_cover_the_positions_in_order(start: int, n: int, chunk: int) -> 
     assert chunks[0][0] == start and chunks[-1][1] == start + n
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
     assert all(0 < e - f <= chunk for f, e in chunks)
+
+
+@given(
+    start=st.integers(0, 5000), n=st.integers(1, 40000), chunk=st.integers(16, 4096),
+    cap=st.integers(1, 8192),
+)  # fmt: skip
+def test_capped_chunks_cover_the_same_positions_none_longer_than_the_cap(
+    start: int, n: int, chunk: int, cap: int
+) -> None:
+    chunks = chunk_ranges(start, start + n, chunk, lambda b, a: float(b * b - a * a))
+    out = capped(chunks, cap)
+    assert out[0][0] == start and out[-1][1] == start + n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(out))
+    assert all(0 < e - f <= cap for f, e in out)
+    # a chunk that fits is kept as it is; one that does not is cut into the fewest pieces
+    assert len(out) == sum(-(-(e - f) // cap) for f, e in chunks)
+    assert capped(out, cap) == out
 
 
 @given(start=st.integers(0, 5000), n=st.integers(1, 40000), chunk=st.integers(64, 4096))
