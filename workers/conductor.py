@@ -135,7 +135,7 @@ class Conductor:
         self._context = model.spec.context if model is not None else None
         self._policy: admission.Policy = s.admission_policy
         self._reserved = ingress.reserved_reply_prefixes(ctx.ns.prefix)
-        self._cfg = conductor_config(s)
+        self._cfg = conductor_config(s, model.spec.layers if model is not None else None)
         self._costs = costs
         self._online = online_model(costs)  # refitted from the workers' timings, or None
         self._clock = clock
@@ -306,8 +306,9 @@ class Conductor:
         metrics.TTFT_MARGIN.set(cd.ttft_margin(self.view, self._cfg))
         self.known.add(request.request_id, Known(request.reply_to, admitted.event_id))
         work = dispatch.prefill_work(
-            request, decision, tokens, admitted.event_id, s.block_tokens, namespace
-        )
+            request, decision, tokens, admitted.event_id, s.block_tokens, namespace,
+            self._costs.prefill.prefill_s, self._cfg.cpp.chunk_tokens,
+        )  # fmt: skip
         return (admitted, work)
 
     def _no_instance_why(self, prompt_tokens: int) -> str:
@@ -427,7 +428,7 @@ class Conductor:
         results = await pub.publish_batch(items)
         await self._adopt_stored(decided, results, works, stages)
         work_items: list[tuple[str, bytes, dict[str, str]]] = []
-        work_of: list[tuple[int, ev.RequestSubmitted, ev.RequestAdmitted]] = []
+        work_of: list[tuple[int, ev.RequestSubmitted, ev.RequestAdmitted] | None] = []
         for (i, request, event), result in zip(decided, results, strict=True):
             if isinstance(result, BaseException):
                 outcomes[i] = _failed(spans[i], result)
@@ -442,6 +443,13 @@ class Conductor:
                 work_items.append((subject, work.to_json(), headers))
                 assert isinstance(event, ev.RequestAdmitted)
                 work_of.append((i, request, event))
+                # A CPP group's other stages right after it: each queue in decision order.
+                for stage in dispatch.stage_works(work):
+                    assert stage.cpp is not None
+                    member = stage.cpp.group[stage.cpp.stage]
+                    sh = {**headers, MSG_ID: dispatch.stage_work_msg_id(request, stage.cpp.stage)}
+                    work_items.append((self._subjects.prefill(member), stage.to_json(), sh))
+                    work_of.append(None)
             else:
                 assert isinstance(event, ev.RequestRejected)
                 if i in redelivered and not await self.ender.claim_rejection(event):
@@ -449,7 +457,12 @@ class Conductor:
                 metrics.REQUESTS_REJECTED.labels(stages[i], event.reason.value).inc()
                 await self._reply(request, event)
         sent = await pub.publish_batch(work_items)
-        for (i, request, admitted), result in zip(work_of, sent, strict=True):
+        for of, result in zip(work_of, sent, strict=True):
+            if of is None:  # a CPP stage's work: one not sent leaves its leader alone
+                if isinstance(result, BaseException):
+                    log.warning("a CPP stage's work was not sent: %s", result)
+                continue
+            i, request, admitted = of
             if isinstance(result, BaseException):
                 outcomes[i] = _failed(spans[i], result)
                 continue

@@ -22,9 +22,16 @@ from typing import Any
 
 from mooncake import events as ev
 from mooncake.core.conductor import Decision, rejection_detail
+from mooncake.core.cpp import (
+    DEFAULT_CHUNK_TOKENS,
+    MAX_CHUNK_FACTOR,
+    PrefillCost,
+    capped,
+    chunk_ranges,
+)
 from mooncake.events import RejectReason
 from mooncake.hashing import cache_namespace
-from mooncake.work import PrefillWork, Timing
+from mooncake.work import CppStage, PrefillWork, Timing
 
 
 def submission_key(request: ev.RequestSubmitted) -> str:
@@ -117,6 +124,11 @@ def namespace_of(request: ev.RequestSubmitted, shared_cache: Mapping[str, str]) 
     return cache_namespace(request.tenant, shared)
 
 
+def stage_work_msg_id(request: ev.RequestSubmitted, stage: int) -> str:
+    """`Nats-Msg-Id` of the first PrefillWork of a CPP group's stage `stage` (>= 1)."""
+    return ev.derived_event_id(submission_key(request), f"prefill-work-1-stage-{stage}")
+
+
 def prefill_work(
     request: ev.RequestSubmitted,
     decision: Decision,
@@ -124,10 +136,25 @@ def prefill_work(
     admitted_event_id: str,
     block_tokens: int,
     namespace: str,
+    cost: PrefillCost | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> PrefillWork:
+    """The leader's work; where the decision chose a CPP group, it carries the group and the
+    chunks: the new tokens cut as `choose_group` priced them (`core.cpp.chunk_ranges` with
+    the cost model's `cost`, none longer than `MAX_CHUNK_FACTOR` x `chunk_tokens`), from
+    the first position after the cached whole blocks."""
     assert decision.prefill_instance is not None and decision.decode_instance is not None
     cached = decision.prefix_tokens // block_tokens
+    cpp = None
+    if decision.stage_instances and cached * block_tokens < len(token_ids):
+        chunks = capped(
+            chunk_ranges(cached * block_tokens, len(token_ids), chunk_tokens, cost),
+            MAX_CHUNK_FACTOR * chunk_tokens,
+        )
+        group = [decision.prefill_instance, *decision.stage_instances]
+        cpp = CppStage(group=group, stage=0, chunks=chunks)
     return PrefillWork(
+        cpp=cpp,
         request_id=request.request_id,
         attempt=1,
         token_ids=token_ids,
@@ -142,6 +169,19 @@ def prefill_work(
         cache_namespace=namespace,
         tenant=request.tenant,
     )
+
+
+def stage_works(work: PrefillWork) -> list[PrefillWork]:
+    """The work of every other stage of the leader's group (none for one instance): the
+    same request, its own stage. Sent in the same decision as the leader's, so every
+    instance's queue holds groups in the Conductor's order (gang order)."""
+    if work.cpp is None:
+        return []
+    cpp = work.cpp
+    return [
+        work.model_copy(update={"cpp": cpp.model_copy(update={"stage": s})})
+        for s in range(1, len(cpp.group))
+    ]
 
 
 def same_decision(

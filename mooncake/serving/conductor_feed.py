@@ -123,7 +123,10 @@ def lifecycle_fact(event: ev.Event) -> cl.Fact | None:
         case ev.PrefillStarted(request_id=rid):
             return cl.PrefillStarted(rid)
         case ev.RequestPrefilled(request_id=rid, prompt_tokens=n, cached_tokens=c, prefill_s=t):
-            return cl.PrefillFinished(rid, n, c, t if t > 0 else None)
+            # A CPP group's time (or a group's given up, then one instance's) is no sample of
+            # what one instance takes: the cost model prices one instance.
+            one = t > 0 and not event.stages and event.cpp_fallback is None
+            return cl.PrefillFinished(rid, n, c, t if one else None)
         case ev.DecodeStarted(request_id=rid):
             return cl.DecodeStarted(rid)
         case ev.RequestCompleted(request_id=rid, output_tokens=n):

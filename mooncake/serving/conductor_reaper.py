@@ -185,6 +185,12 @@ class Reaper:
             self.view.apply(cl.RequestDropped(rid), self._clock())
             log.info("%s work of %s not re-dispatched: it ended (%s)", role, rid, how)
             return
+        if isinstance(work, PrefillWork) and work.cpp is not None and work.cpp.stage > 0:
+            # A CPP stage is its leader's to replace: the leader gives the group up when a
+            # member goes silent and prefills the request alone.
+            await m.ack()
+            log.info("stage %d of %s's group not re-dispatched", work.cpp.stage, rid)
+            return
         attempt = work.attempt + 1
         if attempt > self.settings.conductor.max_attempts:
             await self._fail(role, work, "retries_exhausted", f"{work.attempt} attempts")
@@ -224,6 +230,7 @@ class Reaper:
                     "attempt": attempt, "prefill_instance": choice.prefill.id,
                     "decode_instance": decode, "cached_blocks": cached,
                     "local_blocks": min(choice.local_blocks, cached),
+                    "cpp": None,  # a dead leader's group is gone: one instance prefills it
                 }
             )  # fmt: skip
             target, subject = choice.prefill.id, self.subjects.prefill(choice.prefill.id)

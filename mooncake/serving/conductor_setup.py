@@ -27,6 +27,7 @@ from mooncake.core.cost_model import (
     profile_samples,
     reference_costs,
 )
+from mooncake.core.cpp import CppConfig
 from mooncake.core.online_cost import OnlineCostModel
 from mooncake.core.tenancy import TenantShares
 
@@ -38,9 +39,15 @@ SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 DEFAULT_SSD_READ_BYTES_PER_S = 2e9
 
 
-def conductor_config(settings: Settings) -> ConductorConfig:
-    c = settings.conductor
+def conductor_config(settings: Settings, layers: int | None = None) -> ConductorConfig:
+    """`layers`: the served model's (CPP's stages split them; None: the reference model's)."""
+    c, g = settings.conductor, settings.cpp
+    cpp = CppConfig(
+        max_stages=g.max_stages, chunk_tokens=g.chunk_tokens, min_gain=g.min_gain,
+        min_efficiency=g.min_efficiency, **({"layers": layers} if layers else {}),
+    )  # fmt: skip
     return ConductorConfig(
+        cpp=cpp,
         block_tokens=settings.block_tokens,
         balancing_threshold=c.balancing_threshold,
         pool_fetch=True,
@@ -72,7 +79,14 @@ def costs_from_profile(doc: dict[str, Any], settings: Settings, hidden: int | No
     kv_bytes = kv_bytes_per_token(settings.engine)
     transfer = TransferModel(c.transfer_bytes_per_s, c.transfer_latency_s, kv_bytes)
     ssd_speed = c.ssd_read_bytes_per_s or DEFAULT_SSD_READ_BYTES_PER_S
-    costs = Costs(fitted, fitted, transfer, ssd=TransferModel(ssd_speed, SSD_LATENCY_S, kv_bytes))
+    # A CPP chunk's activations go over the same transport (float32 hidden states).
+    act = None
+    if hidden:
+        act = TransferModel(c.transfer_bytes_per_s, c.transfer_latency_s, hidden * 4)
+    costs = Costs(
+        fitted, fitted, transfer, ssd=TransferModel(ssd_speed, SSD_LATENCY_S, kv_bytes),
+        activation=act,
+    )  # fmt: skip
     return _maybe_online(costs, settings, hidden, pre, dec)
 
 

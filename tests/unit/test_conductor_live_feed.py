@@ -93,6 +93,26 @@ def test_lifecycle_events_become_facts() -> None:
             ),
             cl.PrefillFinished(rid, 300, 128, 0.25),
         ),
+        (  # a CPP group's time prices no one instance: no cost sample
+            ev.RequestPrefilled(
+                request_id=rid,
+                instance="p1",
+                prompt_tokens=300,
+                prefill_s=0.25,
+                stages=["p1", "p2"],
+            ),
+            cl.PrefillFinished(rid, 300, 0, None),
+        ),
+        (  # nor a group's given up, then one instance's
+            ev.RequestPrefilled(
+                request_id=rid,
+                instance="p1",
+                prompt_tokens=300,
+                prefill_s=0.25,
+                cpp_fallback="p2 went silent",
+            ),
+            cl.PrefillFinished(rid, 300, 0, None),
+        ),
         (ev.DecodeStarted(request_id=rid, instance="d1"), cl.DecodeStarted(rid)),
         (ev.RequestCompleted(request_id=rid, output_tokens=4), cl.DecodeFinished(rid, 4)),
         (ev.RequestFailed(request_id=rid, reason="x"), cl.RequestDropped(rid)),

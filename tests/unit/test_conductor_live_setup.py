@@ -221,3 +221,58 @@ def test_the_work_of_an_admission_read_back_is_the_work_of_its_decision() -> Non
     rejected = dispatch.rejected_event(req, _decision(False), {})
     assert not dispatch.same_decision(rejected, rejected)
     assert not dispatch.same_decision(rejected, admitted)
+
+
+def test_cpp_settings_map_onto_the_core_config_with_the_model_s_layers() -> None:
+    from mooncake.config import CppSettings
+    from mooncake.core.cpp import CppConfig
+
+    s = Settings(cpp=CppSettings(max_stages=4, chunk_tokens=256, min_gain=1.5,
+                                 min_efficiency=0.8))  # fmt: skip
+    want = CppConfig(max_stages=4, chunk_tokens=256, min_gain=1.5, min_efficiency=0.8, layers=30)
+    assert conductor_config(s, layers=30).cpp == want
+    assert conductor_config(Settings()).cpp == CppConfig()  # off: one instance per prefill
+    with pytest.raises(ValidationError):
+        CppSettings(max_stages=0)
+
+
+def test_a_group_decision_sends_every_stage_its_work_in_one_decision() -> None:
+    """A decision with a CPP group: the leader's work carries the group and the chunks
+    (from the first position after the cached whole blocks, cut at equal cost), and every
+    other stage gets the same work with its own stage and message id; one instance alone
+    gets no stage work."""
+    import dataclasses
+    import itertools
+
+    from mooncake.work import CppStage
+
+    req = _request()
+    group = dataclasses.replace(
+        _decision(True), prompt_tokens=100, prefix_tokens=40, stage_instances=("p2", "p3")
+    )
+    tokens = list(range(1, 101))
+    cost = lambda n, c: float(n * n - c * c)  # noqa: E731  (attention only: grows with n)
+    work = dispatch.prefill_work(req, group, tokens, "adm", 16, "ns", cost, 20)
+    assert work.cpp is not None and work.cached_blocks == 2
+    assert (work.cpp.group, work.cpp.stage) == (["p1", "p2", "p3"], 0)
+    chunks = work.cpp.chunks
+    assert chunks[0][0] == 32 and chunks[-1][1] == 100 and len(chunks) == 4
+    assert all(a == b for (_, b), (a, _) in itertools.pairwise(chunks))
+    sizes = [b - a for a, b in chunks]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]  # equal cost, not size
+    stages = dispatch.stage_works(work)
+    assert [(s.cpp.stage if s.cpp else None) for s in stages] == [1, 2]
+    assert all(s.model_copy(update={"cpp": work.cpp}) == work for s in stages)
+    ids = {dispatch.stage_work_msg_id(req, s) for s in (1, 2)} | {dispatch.prefill_work_msg_id(req)}
+    assert len(ids) == 3
+    alone = dispatch.prefill_work(req, _decision(True), [1, 2, 3], "adm", 16, "ns")
+    assert alone.cpp is None and dispatch.stage_works(alone) == []
+    # A plan that does not hold together is refused where the work arrives.
+    for bad in (
+        {"group": ["p1", "p2"], "stage": 2, "chunks": [(0, 5)]},
+        {"group": ["p1", "p1"], "stage": 0, "chunks": [(0, 5)]},
+        {"group": ["p1", "p2"], "stage": 0, "chunks": [(0, 5), (6, 9)]},
+        {"group": ["p1", "p2"], "stage": 0, "chunks": [(0, 5), (5, 5)]},
+    ):
+        with pytest.raises(ValidationError):
+            CppStage.model_validate(bad)
