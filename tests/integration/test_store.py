@@ -789,6 +789,20 @@ async def test_a_cpp_leader_gives_its_group_up_when_a_member_never_comes_or_dies
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+        # A member whose chunk fails reports it: the leader gives up at once, and the
+        # member says why it dropped its stage.
+        calls = 0
+        gate.set()  # the second chunk raises without waiting
+        work3 = _cpp_work(tokens, chunks, 1).model_copy(update={"attempt": 3})
+        lead3 = _cpp_work(tokens, chunks, 0).model_copy(update={"attempt": 3})
+        dropped, failed = await asyncio.gather(
+            member.serve_stage(work3, stop),
+            leader.lead(lead3, stop),
+            return_exceptions=True,
+        )
+        assert isinstance(dropped, str) and "this stage is dead" in dropped
+        assert isinstance(failed, GroupFailed) and "stage 1 (member) failed" in str(failed)
         assert not any(await leader.store.client.exists_many(keys))
     finally:
         await leader.stop()
