@@ -69,7 +69,12 @@ async def local_store(nc: NATS, settings: Settings, node_id: str) -> AsyncIterat
     client = StoreClient(
         nc,
         ns,
-        ClientConfig(cluster_secret(s), s.transports, request_timeout_s=s.request_timeout_s),
+        ClientConfig(
+            cluster_secret(s),
+            s.transports,
+            request_timeout_s=s.request_timeout_s,
+            put_renew_s=s.put_timeout_s / 3,  # a prefill's put outlasting the master's timeout
+        ),
     )
     try:
         yield LocalStore(node, client)

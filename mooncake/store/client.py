@@ -49,6 +49,12 @@ class ClientConfig:
     request_timeout_s: float = 5.0
     # How long a put keeps retrying while the master makes room (an SSD offload in flight).
     retry_later_s: float = 2.0
+    # A streaming put (`start_put`) tells the master it is still being written this often
+    # (`PutHandle.renew`), until it is committed or aborted, for at most `put_renew_max_s`:
+    # a long prefill writes its blocks as it computes them and can outlast the master's
+    # `put_timeout_s` (it then reclaims the put as a dead writer's). None: never.
+    put_renew_s: float | None = None
+    put_renew_max_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -376,7 +382,10 @@ class StoreClient:
                 else:
                     plans[key] = res
         shared = p.SharedPut(plans=plans, segments=segments)
-        return PutHandle(self, self._routes_of(shared), refused, shared)
+        handle = PutHandle(self, self._routes_of(shared), refused, shared)
+        if plans and self.config.put_renew_s is not None:
+            handle.renew_every(self.config.put_renew_s, self.config.put_renew_max_s)
+        return handle
 
     def join_put(self, shared: p.SharedPut) -> PutHandle:
         """A handle on a put another process started (`PutHandle.share`): it writes pieces
@@ -457,6 +466,7 @@ class PutHandle:
         self._failed: set[str] = set()
         self._written: dict[str, int] = dict.fromkeys(routes, 0)
         self._done = False
+        self._renewing: asyncio.Task[None] | None = None
 
     @property
     def keys(self) -> list[str]:
@@ -509,6 +519,37 @@ class PutHandle:
         ok = await self._client._run(ops, "write") if ops else []
         self._failed.update(op.key for op, good in zip(ops, ok, strict=True) if not good)
 
+    def renew_every(self, every_s: float, for_at_most_s: float) -> None:
+        """Renew the put every `every_s` until it is committed or aborted (or
+        `for_at_most_s` passed); a renewal that fails is tried at the next one."""
+
+        async def loop() -> None:
+            deadline = time.monotonic() + for_at_most_s
+            while time.monotonic() < deadline:
+                await asyncio.sleep(every_s)
+                try:
+                    await self.renew()
+                except Exception as exc:  # the commit says what came of it
+                    log.warning("put renewal failed: %s", exc)
+
+        self._renewing = asyncio.get_running_loop().create_task(loop())
+
+    def _stop_renewing(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            self._renewing = None
+
+    async def renew(self) -> None:
+        """Tell the master the put is still being written: its objects' `put_timeout_s`
+        counts from now (a prefill that writes its blocks as it computes them can outlast
+        it). Only the handle that started the put renews it."""
+        if self._shared is None:
+            raise ValueError("only the process that started a put renews it")
+        if not self._done and self._routes:
+            await self._client._call(
+                "put_renew", p.KeysRequest(keys=list(self._routes)), p.ResultsReply
+            )
+
     async def commit(self) -> dict[str, p.Refused | None]:
         """Publish every object whose bytes were all written without error; revoke the
         others (a piece failed, or fewer bytes were written than the object holds). Only
@@ -516,6 +557,7 @@ class PutHandle:
         if self._shared is None:
             raise ValueError("only the process that started a put commits it")
         self._done = True
+        self._stop_renewing()
         out: dict[str, p.Refused | None] = dict(self.refused)
         bad: dict[str, str] = {}
         for key, cands in self._routes.items():
@@ -537,6 +579,7 @@ class PutHandle:
     async def abort(self) -> None:
         if self._shared is None:
             raise ValueError("only the process that started a put aborts it")
+        self._stop_renewing()
         if self._done or not self._routes:
             return
         self._done = True

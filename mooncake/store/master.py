@@ -118,6 +118,7 @@ class StoreMaster:
             "put_start": self._put_start,
             "put_end": self._put_end,
             "put_revoke": self._put_revoke,
+            "put_renew": self._put_renew,
             "lookup": self._lookup,
             "exists": self._exists,
             "remove": self._remove,
@@ -281,6 +282,9 @@ class StoreMaster:
 
     def _put_revoke(self, data: bytes) -> p.ResultsReply:
         return self._keys_op(data, self.state.put_revoke)
+
+    def _put_renew(self, data: bytes) -> p.ResultsReply:
+        return self._keys_op(data, self.state.put_renew)
 
     def _remove(self, data: bytes) -> p.ResultsReply:
         req = p.KeysRequest.model_validate_json(data)

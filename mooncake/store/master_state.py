@@ -201,6 +201,15 @@ class MasterState:
         self._book.stored(obj)
         return OK
 
+    def put_renew(self, key: str, now: float) -> Ok | Refusal:
+        """A put still being written (a long prefill writes its blocks as it computes them):
+        its `put_timeout_s` counts from now, so `tick` does not reclaim it as a zombie."""
+        obj = self._book.pending.get(key)
+        if obj is None:
+            return Refusal(Reason.NOT_PENDING, key)
+        obj.started = now
+        return OK
+
     def put_revoke(self, key: str, now: float) -> Ok | Refusal:
         obj = self._book.pending.get(key)
         if obj is None:

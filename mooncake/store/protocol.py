@@ -3,8 +3,8 @@ master. Every message is a frozen pydantic model validated once where it arrives
 that does not validate gets an `ErrorReply`, never a crash.
 
 Subjects (canonical, namespaced like everything else, see `subjects`):
-- `mc.store.<op>`: the master (mount, heartbeat, put_start, put_end, put_revoke, lookup,
-  exists, remove, node_objects);
+- `mc.store.<op>`: the master (mount, heartbeat, put_start, put_end, put_revoke, put_renew,
+  lookup, exists, remove, node_objects);
 - `mc.store.node.<node>.move`: the master asks a node to copy an object between two of its
   own segments (SSD offload on eviction, promotion on hit);
 - `mc.store.node.<node>.changes`: the master tells a node which objects its segments hold now
@@ -42,6 +42,7 @@ MASTER_OPS = (
     "put_start",
     "put_end",
     "put_revoke",
+    "put_renew",
     "lookup",
     "exists",
     "remove",

@@ -662,6 +662,33 @@ async def test_a_cpp_groups_blocks_are_stored_as_one_worker_stores_them(
         kv.release()
 
 
+async def test_a_put_renewed_outlasts_the_master_s_put_timeout(cluster: Cluster) -> None:
+    """A streaming put the master would reclaim as a dead writer's after `put_timeout_s`
+    (1 s here) lives on while its client renews it (`ClientConfig.put_renew_s`), and is
+    reclaimed once it stops: a long prefill's blocks are stored, a dead one's are not."""
+    await cluster.add_node("n1")
+    renewing = StoreClient(
+        cluster.nc, cluster.ns, ClientConfig(SECRET, ("tcp",), request_timeout_s=2.0,
+                                             put_renew_s=0.3),
+    )  # fmt: skip
+    cluster.clients.append(renewing)
+    plain = cluster.client(("tcp",))
+    kept = await renewing.start_put([("long", 100)])
+    lost = await plain.start_put([("short-lived", 100)])
+    await asyncio.sleep(2.5)  # past the master's put_timeout_s, twice
+    for handle, key in ((kept, "long"), (lost, "short-lived")):
+        await handle.write([(key, 0, b"x" * 100)])
+    assert await kept.commit() == {"long": None}
+    refused = (await lost.commit())["short-lived"]
+    assert refused is not None and refused.reason is Reason.NOT_PENDING
+    assert await plain.get("long") == b"x" * 100 and await plain.get("short-lived") is None
+    # Renewal ends with the put: an aborted one is not kept alive.
+    gone = await renewing.start_put([("aborted", 100)])
+    await gone.abort()
+    await asyncio.sleep(0.7)
+    assert gone._renewing is None
+
+
 def _cpp_work(tokens: list[int], chunks: list[tuple[int, int]], stage: int) -> Any:
     from mooncake.work import CppStage, PrefillWork, Timing
 
