@@ -175,6 +175,9 @@ class Stack:
         env["MOONCAKE_DATA_DIR"] = str(self.settings.data_dir)
         env["MOONCAKE_LOG_LEVEL"] = self.settings.log_level
         env["MOONCAKE_ENGINE__MODEL"] = self.settings.engine.model
+        if self.settings.engine.model == "dummy":  # its shape too (the weights are seeded)
+            for name, value in self.settings.engine.dummy.model_dump().items():
+                env[f"MOONCAKE_ENGINE__DUMMY__{name.upper()}"] = str(value)
         env["MOONCAKE_SLO__TTFT_S"] = str(self.settings.slo.ttft_s)
         env["MOONCAKE_SLO__TBT_S"] = str(self.settings.slo.tbt_s)
         # Several engine processes share this machine's cores: one torch thread each,

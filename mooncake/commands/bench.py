@@ -329,13 +329,30 @@ def bench_cpp(
             help="Every chunk CHUNK_TOKENS long (default: as many chunks of about equal FLOPs)",
         ),
     ] = False,
+    live: Annotated[
+        bool,
+        typer.Option(
+            "--live",
+            help="Through a stack of its own (Conductor, 2 prefill + 1 decode workers): the "
+            "prompt's TTFT with the Conductor's groups off, then with groups of two",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Chunked pipeline parallelism (PAPER.md §6): one prompt prefilled by one worker, then by
     groups of stage workers (layer ranges, chunks flowing through them, activations over the
     store's transfer engine), each worker a process with THREADS torch threads. Prints each
-    group's prefill time, its speedup over the one worker, and the largest logit difference."""
+    group's prefill time, its speedup over the one worker, and the largest logit difference.
+    With --live, the same through the running system (mooncake/bench/cpp_live.py)."""
     from mooncake.bench.cpp import CppBenchOptions, run_cpp_bench
+
+    if live:
+        from mooncake.bench.cpp_live import LiveCppOptions, run_live_cpp_bench
+
+        live_opts = LiveCppOptions(prompt_tokens=prompt_tokens, chunk_tokens=chunk_tokens)
+        bench = run_live_cpp_bench(settings_or_exit(), live_opts, log=err.print)
+        _run_stack_bench("cpp --live", bench, as_json)
+        return
 
     try:
         groups = tuple(int(x) for x in stages.split(",") if x.strip())

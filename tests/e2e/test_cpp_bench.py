@@ -35,3 +35,32 @@ def test_a_prompt_past_the_context_is_refused() -> None:
     settings = Settings(engine=EngineSettings(model="dummy", dummy=DummyModel(context=256)))
     with pytest.raises(ValueError, match="exceeds the context"):
         run_cpp_bench(settings, CppBenchOptions(prompt_tokens=512))
+
+
+def test_the_live_bench_groups_the_second_ask_and_gets_the_same_answer() -> None:
+    """`bench cpp --live` at a small size: its own stack, the Conductor restarted with
+    groups of two between the asks, the second ask prefilled by both prefill instances,
+    the same answer (mooncake/bench/cpp_live.py)."""
+    import asyncio
+
+    from mooncake.bench.cpp_live import LiveCppOptions, run_live_cpp_bench
+
+    dummy = DummyModel(hidden=512, layers=4, heads=8, kv_heads=4, ffn=2048, context=4096)
+    settings = Settings(engine=EngineSettings(model="dummy", dummy=dummy), block_tokens=64)
+    # Groups wherever they pay at all: this model's chunks are milliseconds, the costs the
+    # Conductor fits from them carry its per-call overheads.
+    opts = LiveCppOptions(prompt_tokens=2048, chunk_tokens=256, min_efficiency=0.3, min_gain=1.0)
+    out = asyncio.run(run_live_cpp_bench(settings, opts, log=lambda _: None))
+    assert out["stages_1"] == [] and sorted(out["stages_2"]) == ["prefill-0", "prefill-1"], out
+    assert out["same_answer"] and out["checks_passed"], out
+    assert out["live_ttft_1_s"] > 0 and out["live_ttft_2_s"] > 0 and out["live_speedup_2"] > 0
+
+
+def test_the_live_bench_refuses_a_prompt_of_one_chunk() -> None:
+    import asyncio
+
+    from mooncake.bench.cpp_live import LiveCppOptions, run_live_cpp_bench
+
+    settings = Settings(engine=EngineSettings(model="dummy"))
+    with pytest.raises(ValueError, match="one chunk"):
+        asyncio.run(run_live_cpp_bench(settings, LiveCppOptions(prompt_tokens=100)))
