@@ -11,7 +11,9 @@ twice, as a client does over the bus:
 
 The two asks name different cache namespaces, so the second finds nothing of the first
 cached, and compute the same answer. TTFT is the client's (submission to the first token),
-`prefill_s` the leader's own time (`request.prefilled`). `min_efficiency` is lowered from
+`prefill_s` the leader's own time (`request.prefilled`), `cpu_N_s` the CPU seconds every
+process of the stack spent during each ask (two vCPUs here: what the rest of the system
+takes during a group's prefill is taken from its stages). `min_efficiency` is lowered from
 the default 0.95 because an 8,192-token prompt in chunks of 1,024 keeps at most 8/9 of two
 stages busy (the pipeline's fill): the default would never group it.
 """
@@ -129,7 +131,10 @@ async def _measure(
                 await wait_ready(nc, ns, engines, 120.0)
             rid = f"cpp-live-{run}-{stages}"
             log(f"cpp --live: {len(prompt):,} tokens, groups of up to {stages}")
+            before = cpu_seconds(stack)
             answer = await _ask(nc, ns, prompt, rid, f"bench-cpp-{run}-{stages}", opts)
+            spent = {k: v - before.get(k, 0.0) for k, v in cpu_seconds(stack).items()}
+            out[f"cpu_{stages}_s"] = {k: round(v, 1) for k, v in sorted(spent.items())}
             answers[stages] = answer.token_ids
             fact = await _fact(facts, rid)
             out[f"live_ttft_{stages}_s"] = round(answer.ttft_s or 0.0, 3)
@@ -148,6 +153,27 @@ async def _measure(
     out["prefill_speedup_2"] = round(out["live_prefill_1_s"] / out["live_prefill_2_s"], 3)
     out["same_answer"] = answers[1] == answers[2]
     out["checks_passed"] = out["same_answer"]
+    return out
+
+
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU seconds (user + system) each process of the stack has spent: the workers, the
+    broker and the database with its backends. On two vCPUs whatever else runs during a
+    group's prefill is taken from its stages."""
+    import psutil
+
+    out = {name: u.cpu_s for name, u in stack.usage().items()}
+    for name, proc in (("nats-server", stack.nats), ("postgres", stack.postgres)):
+        if proc is None or proc.proc is None:
+            continue
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(proc.proc.pid)
+            total = 0.0
+            for p in (root, *root.children(recursive=True)):
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+            out[name] = total
     return out
 
 
