@@ -32,7 +32,16 @@ RING_BYTES = 64
 SLOT = struct.Struct("<QQQQQ")  # seq, nbytes, rows, cols, dtype code
 SLOT_HEADER = 64
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-POLL_S = 0.0005  # a chunk of a long prefill takes 10s-1000s of ms: polling costs nothing
+# Waits poll: every POLL_S at first, backing off to POLL_MAX_S. A chunk of a long prefill
+# takes 100s-1000s of ms, so a few ms late is nothing, while a stage that waits seconds
+# for its first chunk (the pipeline's fill) polling every 0.5 ms took CPU from the one
+# computing it on a machine of two cores.
+POLL_S = 0.0005
+POLL_MAX_S = 0.005
+
+
+def _backoff(wait: float) -> float:
+    return min(wait * 1.5, POLL_MAX_S)
 
 
 class Aborted(Exception):
@@ -68,11 +77,13 @@ class Inbox:
         `Aborted` once `abort` is set."""
         buf, want = self.segment.buf, self.received + 1
         deadline = time.monotonic() + timeout_s
+        wait = POLL_S
         while RING.unpack_from(buf, 0)[0] < want:
             _check(abort)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no chunk {want} within {timeout_s:g} s")
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(wait)
+            wait = _backoff(wait)
         at = RING_BYTES + (self.received % self.slots) * self.slot_size
         seq, nbytes, rows, cols, code = SLOT.unpack_from(buf, at)
         if seq != want or nbytes > self.slot_size - SLOT_HEADER or code >= len(DTYPES):
@@ -108,12 +119,13 @@ class Outbox:
         if data.numel() > self.slot_size - SLOT_HEADER:
             raise ValueError(f"a chunk of {data.numel()} bytes does not fit a slot")
         seq = self.sent + 1
-        deadline = time.monotonic() + timeout_s
+        deadline, wait = time.monotonic() + timeout_s, POLL_S
         while seq - self._read_consumed(await self._fetch_consumed()) > self.slots:
             _check(abort)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the receiver took no chunk within {timeout_s:g} s")
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(wait)
+            wait = _backoff(wait)
         at = RING_BYTES + (self.sent % self.slots) * self.slot_size
         code = DTYPES.index(flat.dtype)
         header = SLOT.pack(seq, data.numel(), flat.shape[0], flat.shape[1], code)
