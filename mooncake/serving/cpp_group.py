@@ -384,7 +384,12 @@ class CppGroups:
             lost = [k for k, r in results.items()
                     if r is not None and r.reason not in (Reason.EXISTS, Reason.QUOTA)]  # fmt: skip
             if lost:
-                raise GroupFailed(f"{len(lost)} of the group's KV objects were not stored")
+                first = results[lost[0]]
+                assert first is not None
+                raise GroupFailed(
+                    f"{len(lost)} of the group's KV objects were not stored (the first: "
+                    f"{first.reason.value} {first.detail})"
+                )
             outcome = "done"
         except BaseException as exc:
             session.fail(session.why or f"{type(exc).__name__}: {exc}")
