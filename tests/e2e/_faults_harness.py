@@ -526,16 +526,19 @@ async def terminal_types(engine: AsyncEngine, ids: list[str]) -> Counter[str]:
     return Counter(t for types in (await endings(engine, ids)).values() for t in types)
 
 
-async def ended_as(engine: AsyncEngine, ids: list[str], type_: str) -> list[str]:
-    """Which of `ids` the record ended with a `type_` event."""
+async def failures(engine: AsyncEngine, ids: list[str]) -> list[str]:
+    """Which of `ids` the record ended `failed`, each with its stage, reason and detail (what
+    a red run needs to say)."""
     async with engine.connect() as conn:
         rows = await conn.execute(
             text(
-                "SELECT DISTINCT request_id FROM events WHERE request_id = ANY(:ids) AND type = :t"
+                "SELECT request_id, payload->>'stage', payload->>'reason', payload->>'detail' "
+                "FROM events WHERE request_id = ANY(:ids) AND type = 'request.failed'"
             ),
-            {"ids": ids, "t": type_},
+            {"ids": ids},
         )
-        return sorted(r[0] for r in rows)
+        return sorted(f"{r} ({stage} {reason}: {(detail or '')[:160]})"
+                      for r, stage, reason, detail in rows)  # fmt: skip
 
 
 async def redispatched_requests(engine: AsyncEngine) -> int:

@@ -51,7 +51,7 @@ from _faults_harness import (
     Traffic,
     bus_probe,
     connect,
-    ended_as,
+    failures,
     first_recorded_at,
     gateway_request_ids,
     http_probe,
@@ -315,7 +315,7 @@ async def _run(
     duplicated = sorted(r for r, n in counts.items() if n > 1)
     orphans = sorted(set(counts) - submitted)  # an ending without a submission
     endings = await terminal_types(db, traffic.ids)
-    failed = await ended_as(db, sorted(known), "request.failed")
+    failed = await failures(db, sorted(known))
     unanswered = sorted(
         r
         for r in traffic.ids
