@@ -53,9 +53,15 @@ def test_settings_built_in_code_reach_the_workers_and_the_shell_only_when_inheri
     assert env["MOONCAKE_ENGINE__MODEL"] == "dummy" and env["MOONCAKE_LOG_LEVEL"] == "WARNING"
     assert (env["MOONCAKE_SLO__TTFT_S"], env["MOONCAKE_SLO__TBT_S"]) == ("2.0", "0.25")
     assert env["MOONCAKE_DATA_DIR"] == str(tmp_path)
-    assert "MOONCAKE_ENGINE__DUMMY__HIDDEN" not in env and env["PATH"]
+    # The dummy model's shape is the settings' (the workers must run the model the caller
+    # built), never the shell's, inherited or not.
+    assert env["MOONCAKE_ENGINE__DUMMY__HIDDEN"] == "64" and env["PATH"]
     assert env["MOONCAKE_ENGINE__THREADS"] == "1"
-    assert Stack(settings).child_env()["MOONCAKE_ENGINE__DUMMY__HIDDEN"] == "128"
+    inherited = Stack(settings).child_env()
+    assert inherited["MOONCAKE_ENGINE__DUMMY__HIDDEN"] == "64"
+    monkeypatch.setenv("MOONCAKE_SOMETHING_ELSE", "x")  # the rest of the shell is inherited
+    assert Stack(settings).child_env()["MOONCAKE_SOMETHING_ELSE"] == "x"
+    assert "MOONCAKE_SOMETHING_ELSE" not in Stack(settings, inherit_env=False).child_env()
 
 
 def test_a_roles_env_is_its_own_and_a_restart_stops_the_running_one_and_keeps_it(
