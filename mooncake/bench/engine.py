@@ -20,6 +20,10 @@ machine lands on both sides of a pair rather than on one side's median.
 - `decode_tok_s_b8`: the engine decoding 8 sequences (prompts of different lengths) in one
   continuous batch; tokens/s summed over the batch. `decode_b8_over_b1` is its paired ratio
   to batch 1 (target >= 4).
+- `prefill_tok_s_mapped` / `compute_heap_speedup`: the same prefill with every large
+  temporary mapped on its own, as before `memory.compute_heap` (a page fault per 4 KiB of
+  every temporary), paired in the same run; the reference's prefill runs inside the window
+  too.
 - `prefix_hit_speedup`: prefill of a 2,048-token prompt with nothing cached divided by the
   same prompt with its first 1,792 tokens (7 blocks of 256) handed over as cached KV blocks;
   the cached side's time includes building its KV from the blocks.
@@ -49,6 +53,7 @@ from typing import Any, Literal
 
 import torch
 
+from mooncake import memory
 from mooncake.engine import DecodeBatch, Engine, SamplingParams
 from mooncake.engine.dummy import SHAPES, dummy_model
 from mooncake.engine.gguf_loader import load_gguf, smollm2_path
@@ -311,13 +316,24 @@ def _bench_prefill(
     ids = torch.tensor([prompt], device=dev)
 
     def ref_prefill() -> None:
-        with torch.inference_mode():
+        # The reference's temporaries come from the heap as the engine's do (`compute_heap`).
+        with torch.inference_mode(), memory.compute_heap():
             ref(ids, use_cache=True, logits_to_keep=1)
+
+    def mapped_prefill() -> None:
+        with memory.mapped_temporaries():
+            engine.prefill(prompt)
 
     log(f"prefill of {tokens} tokens, engine and reference")
     t_pre, t_ref, ratio = _paired(
         lambda: _timed(lambda: engine.prefill(prompt), dev),
         lambda: _timed(ref_prefill, dev),
+        reps,
+    )
+    log(f"prefill of {tokens} tokens, temporaries from the heap and mapped one by one")
+    _, t_mapped, heap_ratio = _paired(
+        lambda: _timed(lambda: engine.prefill(prompt), dev),
+        lambda: _timed(mapped_prefill, dev),
         reps,
     )
     with torch.inference_mode():
@@ -328,6 +344,10 @@ def _bench_prefill(
         "prefill_tok_s": round(tokens / t_pre, 1),
         "ref_prefill_tok_s": round(tokens / t_ref, 1),
         "prefill_ratio": round(ratio, 3),
+        # The same prefill with every large temporary mapped on its own (before
+        # `memory.compute_heap`), paired in this run.
+        "prefill_tok_s_mapped": round(tokens / t_mapped, 1),
+        "compute_heap_speedup": round(heap_ratio, 3),
         # Every position's next-token choice and logits, ours against the reference's.
         "ref_argmax_agreement": round(
             (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(), 4

@@ -26,6 +26,7 @@ from mooncake.engine.paged import PagedPrefill
 from mooncake.engine.pool import KVPool, KVPoolExhausted, PagedKV, page_tokens_for
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, request_keys
+from mooncake.memory import compute_heap
 
 # Without a budget, an engine's pool holds this many full contexts (tests, tools): the
 # memory is reserved, and only what is written becomes resident.
@@ -198,7 +199,8 @@ class Engine:
         ids = torch.tensor([new], device=self.device)
         positions = torch.arange(start, len(tokens), device=self.device)[None]
         backend = PagedPrefill(kv, start, len(new))
-        logits = self.model(ids, positions, backend, hooks, last_only=not all_logits)[0]
+        with compute_heap():
+            logits = self.model(ids, positions, backend, hooks, last_only=not all_logits)[0]
         kv.length = len(tokens)
         return Prefilled(tokens=tokens, kv=kv, logits=logits, cached_tokens=start)
 

@@ -21,6 +21,7 @@ from mooncake.engine.engine import Engine
 from mooncake.engine.errors import EngineError
 from mooncake.engine.paged import PagedPrefill
 from mooncake.engine.pool import KVPoolExhausted, PagedKV
+from mooncake.memory import compute_heap
 
 
 @torch.inference_mode()
@@ -57,7 +58,8 @@ def run_chunk(
     if not kv.reserve(start + n):
         raise KVPoolExhausted(f"no room for {start + n} positions of KV")
     positions = torch.arange(start, start + n, device=engine.device)[None]
-    x = model.run_layers(x, positions, PagedPrefill(kv, start, n), range(first, end),
-                         last_only=logits)  # fmt: skip
+    with compute_heap():
+        x = model.run_layers(x, positions, PagedPrefill(kv, start, n), range(first, end),
+                             last_only=logits)  # fmt: skip
     kv.length = start + n
     return model.logits(x[:, -1])[0] if logits else x
