@@ -1,0 +1,69 @@
+"""`memory.compute_heap`: inside the window a prefill's large temporaries are reused from
+the heap layer after layer, where outside it each is a fresh mapping faulted in page by
+page; the window nests; `mapped_temporaries` turns it off (the benchmark's baseline). Run in
+child processes: the allocator's settings are process-wide."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mooncake import memory
+
+LAYERS = r"""
+import json, resource, sys, torch
+from mooncake import memory
+
+memory.keep_heap_small()  # as a worker runs between prefills
+
+def layers(n=30):
+    # a prefill's pattern: every layer allocates temporaries of a few MiB, writes and frees
+    # them; minor page faults over the n layers
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        a = torch.ones(3 << 20)   # 12 MiB
+        b = torch.ones(1 << 20)   # 4 MiB
+        c = a[: 1 << 20] + b      # 4 MiB
+        del a, b, c
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+out = {}
+if sys.argv[1] == "window":
+    out["outside"] = layers()
+    with memory.compute_heap():
+        with memory.compute_heap():  # nested: one window
+            out["inside"] = layers()
+        out["inner_closed"] = layers()  # the outer window is still open
+        out["open"] = memory._computing
+    out["closed"] = memory._computing
+else:
+    with memory.mapped_temporaries(), memory.compute_heap():
+        out["off"] = layers()
+print(json.dumps(out))
+"""
+FRESH = 30 * (20 << 20 >> 12)  # 30 layers of 20 MiB in 4 KiB pages, each a fresh mapping
+
+
+def _child(mode: str) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", LAYERS, mode], capture_output=True, text=True, timeout=120,
+        check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(memory._libc() is None, reason="glibc only")
+def test_the_window_reuses_the_heap_layer_after_layer_and_nests() -> None:
+    f = _child("window")
+    assert f["outside"] > FRESH // 2, f  # mapped one by one: faulted in every layer
+    assert f["inside"] < f["outside"] // 5, f  # reused from the heap
+    assert f["inner_closed"] < f["outside"] // 5, f  # nested: still one window
+    assert (f["open"], f["closed"]) == (1, 0), f
+
+
+@pytest.mark.skipif(memory._libc() is None, reason="glibc only")
+def test_mapped_temporaries_is_the_baseline_without_the_window() -> None:
+    assert _child("off")["off"] > FRESH // 2
