@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 from sqlalchemy import text
@@ -122,6 +123,26 @@ class Worker:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@contextlib.contextmanager
+def running_workers(
+    layout: Sequence[tuple[str, str]], settings: Settings, log_dir: Path, env: dict[str, str]
+) -> Iterator[dict[str, Worker]]:
+    """The (role, name) workers of `layout` started; on the way out every one still running
+    stopped, and none may have logged a traceback."""
+    workers = {name: Worker(role, settings, log_dir, name=name, env=env) for role, name in layout}
+    for w in workers.values():
+        w.start()
+    try:
+        yield workers
+    finally:
+        for w in workers.values():
+            if w.proc is not None and w.proc.poll() is None:
+                w.stop()
+        for name, w in workers.items():
+            log = w.log()
+            assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
 
 
 async def wait_for(

@@ -34,7 +34,7 @@ from mooncake.engine import Engine, generate
 from mooncake.engine.sampling import SamplingParams as EngineParams
 from mooncake.serving.models import build_engine
 
-from helpers import Worker, endings, wait_for
+from helpers import Worker, endings, running_workers, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -97,20 +97,8 @@ def system(
         "MOONCAKE_CPP__GANG_WAIT_S": "20",
         "MOONCAKE_TRACE_DIR": str(spans),
     }
-    workers = {
-        name: Worker(role, settings, tmp / "logs", name=name, env=env) for role, name in LAYOUT
-    }
-    for w in workers.values():
-        w.start()
-    try:
+    with running_workers(LAYOUT, settings, tmp / "logs", env) as workers:
         yield System(settings, workers, spans, build_engine(settings))
-    finally:
-        for w in workers.values():
-            if w.proc is not None and w.proc.poll() is None:
-                w.stop()
-        for name, w in workers.items():
-            log = w.log()
-            assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
 
 
 @pytest_asyncio.fixture

@@ -34,7 +34,7 @@ from mooncake.serving.models import build_engine
 from mooncake.telemetry import setup_tracing, tracer
 from mooncake.trace import load_trace
 
-from helpers import Worker, endings, lost_or_broken, wait_for
+from helpers import Worker, endings, lost_or_broken, running_workers, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -92,20 +92,8 @@ def pipeline(
         "MOONCAKE_BUS__ACK_WAIT_S": "3",
         "MOONCAKE_TRACE_DIR": str(spans),
     }
-    workers = {
-        name: Worker(role, settings, tmp / "logs", name=name, env=env) for role, name in LAYOUT
-    }
-    for w in workers.values():
-        w.start()
-    try:
+    with running_workers(LAYOUT, settings, tmp / "logs", env) as workers:
         yield Pipeline(settings, workers, spans, build_engine(settings))
-    finally:
-        for w in workers.values():
-            if w.proc is not None and w.proc.poll() is None:
-                w.stop()
-        logs = {name: w.log() for name, w in workers.items()}
-        for name, text in logs.items():
-            assert "Traceback" not in text, f"{name}:\n{text[-4000:]}"
 
 
 @pytest_asyncio.fixture
