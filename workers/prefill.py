@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
+from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from mooncake import events as ev
@@ -228,8 +229,6 @@ class PrefillWorker:
         )
         timer = self._deadline_timer(work, running)
         started = time.perf_counter()
-        stages: list[str] = []
-        fallback = None
         try:
             with tracer().start_as_current_span(
                 "prefill compute",
@@ -239,36 +238,7 @@ class PrefillWorker:
                     "mc.tenant": work.tenant,
                 },
             ) as span:
-                done = None
-                if work.cpp is not None:
-                    span.set_attribute("mc.cpp.group", ",".join(work.cpp.group))
-                    span.set_attribute("mc.cpp.chunks", len(work.cpp.chunks))
-                if work.cpp is not None and d.num_delivered > 1:
-                    # Redelivered (this instance restarted, or a try failed): its members
-                    # have moved on, and a group met out of the Conductor's order could
-                    # wait on another. Alone.
-                    fallback = f"delivery {d.num_delivered}: a group meets on the first only"
-                elif work.cpp is not None:
-                    try:
-                        done = await self.groups.lead(work, running.stop)
-                        stages = list(work.cpp.group)
-                    except GroupFailed as exc:
-                        fallback = str(exc)
-                        log.warning("%s: its group gave up (%s); prefilling it alone",
-                                    work.request_id, fallback)  # fmt: skip
-                        span.set_attribute("mc.cpp.fallback", fallback)
-                        metrics.CPP_FALLBACKS.inc()
-                if done is None:
-                    done = await prefill_with_store(
-                        self.engine,
-                        self.store.client,
-                        work.token_ids,
-                        cached_blocks=work.cached_blocks,
-                        tail_key=tail_key(work.request_id, work.attempt),
-                        preferred_segment=self.store.dram_segment,
-                        cancelled=running.stop,
-                        namespace=work.cache_namespace,
-                    )
+                done, stages, fallback = await self._prefill_kv(work, d, running, span)
         except EngineError as exc:
             return await self._failed(work, "invalid_prompt", str(exc))
         except PrefillCancelled:
@@ -293,6 +263,43 @@ class PrefillWorker:
                 done.release()  # its whole blocks stay cached in the pool (the engine tier)
             # After the hand-over (not on the way to the first token): what the prefill freed.
             await asyncio.to_thread(memory.release_free_heap)
+
+    async def _prefill_kv(
+        self, work: PrefillWork, d: Delivery, running: Running, span: Span
+    ) -> tuple[StoredPrefill, list[str], str | None]:
+        """The prompt's KV in the store: by its CPP group where it has one, else (or where
+        the group is given up) by this instance alone. Also the group that did it, and why
+        a group given did not."""
+        fallback = None
+        if work.cpp is not None:
+            span.set_attribute("mc.cpp.group", ",".join(work.cpp.group))
+            span.set_attribute("mc.cpp.chunks", len(work.cpp.chunks))
+            if d.num_delivered > 1:
+                # Redelivered (this instance restarted, or a try failed): its members have
+                # moved on, and a group met out of the Conductor's order could wait on
+                # another. Alone.
+                fallback = f"delivery {d.num_delivered}: a group meets on the first only"
+            else:
+                try:
+                    done = await self.groups.lead(work, running.stop)
+                    return done, list(work.cpp.group), None
+                except GroupFailed as exc:
+                    fallback = str(exc)
+                    log.warning("%s: its group gave up (%s); prefilling it alone",
+                                work.request_id, fallback)  # fmt: skip
+                    span.set_attribute("mc.cpp.fallback", fallback)
+                    metrics.CPP_FALLBACKS.inc()
+        done = await prefill_with_store(
+            self.engine,
+            self.store.client,
+            work.token_ids,
+            cached_blocks=work.cached_blocks,
+            tail_key=tail_key(work.request_id, work.attempt),
+            preferred_segment=self.store.dram_segment,
+            cancelled=running.stop,
+            namespace=work.cache_namespace,
+        )
+        return done, [], fallback
 
     async def _stage(self, work: PrefillWork, d: Delivery, running: Running) -> Outcome:
         """A stage of a group another instance leads (`cpp_group.CppGroups.serve_stage`).

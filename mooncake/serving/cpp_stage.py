@@ -35,6 +35,7 @@ from mooncake.engine.engine import Engine
 from mooncake.engine.kv import BlockLayout
 from mooncake.engine.pool import PagedKV
 from mooncake.engine.stage import run_chunk
+from mooncake.memory import compute_heap
 from mooncake.serving.activations import Aborted, Inbox, Outbox
 from mooncake.serving.kvstore import Target, layer_piece
 from mooncake.store.client import PutHandle
@@ -96,6 +97,23 @@ async def run_stage(
     compute runs in a worker thread (the event loop keeps moving activations and KV);
     `busy` gets each chunk's compute seconds; `abort` (set by whoever watches the group)
     stops it between chunks and in every wait (`activations.Aborted`)."""
+    with compute_heap():  # one window over every chunk: no trim and refault between them
+        return await _run_chunks(engine, kv, layers, chunks, tokens, inbox, outbox, writer,
+                                 busy, abort)  # fmt: skip
+
+
+async def _run_chunks(
+    engine: Engine,
+    kv: PagedKV,
+    layers: tuple[int, int],
+    chunks: Sequence[tuple[int, int]],
+    tokens: Sequence[int],
+    inbox: Inbox | None,
+    outbox: Outbox | None,
+    writer: StageBlockWriter | None,
+    busy: list[float] | None,
+    abort: asyncio.Event | None,
+) -> Tensor | None:
     logits = None
     for k, (a, b) in enumerate(chunks):
         chunk: Sequence[int] | Tensor = (

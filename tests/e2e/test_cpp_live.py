@@ -253,26 +253,19 @@ async def _groups_again(nc: NATS, system: System, db: AsyncEngine) -> None:
     await wait_for(grouped, 120, "a group again after the restart", interval=1.0)
 
 
-async def test_a_member_killed_mid_prefill_leaves_the_leader_to_finish_alone(
-    system: System, nc: NATS, db: AsyncEngine
+@pytest.mark.parametrize("victim", ["member", "leader"])
+async def test_a_stage_killed_mid_prefill_leaves_the_request_to_complete_once(
+    system: System, nc: NATS, db: AsyncEngine, victim: str
 ) -> None:
-    rid = f"cpp-kill-member-{uuid.uuid4().hex[:6]}"
-    _, killed = await _kill_when_prefilling(nc, system, _prompt(2048, 4), rid, "member")
-    fact = await _prefilled(db, rid)
-    assert fact["stages"] == [] and fact["cpp_fallback"], fact  # the record says why
-    assert fact["instance"] != killed
-    await _ended_once(db, rid)
-    system.workers[killed].start()
-    await _groups_again(nc, system, db)
-
-
-async def test_a_leader_killed_mid_prefill_is_replaced_and_the_request_completes(
-    system: System, nc: NATS, db: AsyncEngine
-) -> None:
-    rid = f"cpp-kill-leader-{uuid.uuid4().hex[:6]}"
-    _, killed = await _kill_when_prefilling(nc, system, _prompt(2048, 5), rid, "leader")
+    """A member killed: the leader gives the group up and finishes alone (the record says
+    why). The leader killed: its work goes to the other instance, which prefills alone."""
+    rid = f"cpp-kill-{victim}-{uuid.uuid4().hex[:6]}"
+    seed = 4 if victim == "member" else 5
+    _, killed = await _kill_when_prefilling(nc, system, _prompt(2048, seed), rid, victim)
     fact = await _prefilled(db, rid)
     assert fact["instance"] != killed and fact["stages"] == [], fact
+    if victim == "member":
+        assert fact["cpp_fallback"], fact  # the record says why
     await _ended_once(db, rid)
     system.workers[killed].start()
     await _groups_again(nc, system, db)
