@@ -111,6 +111,53 @@ def test_paged_decode_attention_equals_attention_over_contiguous_kv(path: str) -
     assert torch.allclose(got, reference(q, keys, values), atol=1e-5)
 
 
+@pytest.mark.parametrize("group", [1, 3, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_decode_attention_over_scattered_pages(group: int, threads: int) -> None:
+    """The kernel alone, against attention over each sequence's KV gathered in order: query
+    heads scored in tiles (group 5 = a tile of 4 and one of 1), pages anywhere in the pool,
+    a batch of one long sequence (its pages split between jobs and merged) and a mixed
+    batch, with NaN in every unwritten slot of every page."""
+    page, dim, kv_heads = 16, 32, 2
+    kernel = native.load(dim, page)
+    if kernel is None:
+        pytest.skip("no C compiler here: the native kernel cannot be built")
+    g = torch.Generator().manual_seed(group * 10 + threads)
+    pages = 200
+    kpool = torch.randn(pages, kv_heads, dim, page, generator=g)
+    vpool = torch.randn(pages, kv_heads, page, dim, generator=g)
+    order = torch.randperm(pages, generator=g).to(torch.int32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lens in ([1000], [1, 16, 17, 300, 40]):
+            need = [(n + page - 1) // page for n in lens]
+            width = max(need)
+            table = torch.zeros(len(lens), width, dtype=torch.int32)
+            at = 0
+            for b, k in enumerate(need):
+                table[b, :k] = order[at : at + k]
+                at += k
+                used = lens[b] % page
+                if used:  # the rest of the last page: never written
+                    last = int(table[b, k - 1])
+                    kpool[last, :, :, used:] = float("nan")
+                    vpool[last, :, used:, :] = float("nan")
+            q = torch.randn(len(lens), kv_heads, group, dim, generator=g) * 3
+            out = torch.empty_like(q)
+            kernel(q, kpool, vpool, table, torch.tensor(lens, dtype=torch.int32), out, dim**-0.5)
+            for b, n in enumerate(lens):
+                idx = table[b, : need[b]].long()
+                k = kpool[idx].permute(1, 0, 3, 2).reshape(kv_heads, -1, dim)[:, :n]
+                v = vpool[idx].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :n]
+                # [kv_heads, 1, n, dim] against the group's queries [kv_heads, group, 1, dim]
+                want = F.scaled_dot_product_attention(q[b][:, :, None], k[:, None], v[:, None])
+                want = want[:, :, 0]
+                assert torch.allclose(out[b], want, atol=1e-5), (lens, b)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_preempted_sequences_resume_to_the_tokens_they_get_alone() -> None:
     """A pool too small for every sequence at once: the youngest are preempted, recomputed
     and rejoin; each ends with exactly the tokens it gets with the pool to itself."""

@@ -175,8 +175,10 @@ class PagedDecode:
             scale,
             torch.get_num_threads(),
         )
-        if failed:
+        if failed == 1:
             raise RuntimeError("paged attention: a length outside its page table")
+        if failed:
+            raise MemoryError("paged attention: no memory for the split sequences' partial sums")
 
 
 def load(head_dim: int, page_tokens: int) -> PagedDecode | None:

@@ -13,10 +13,24 @@
  *   lens   [B] int32: tokens of sequence b to attend to (its new token included)
  *   out    [B, kv_heads, group, HEAD_DIM]
  *
- * One job per (sequence, KV head); jobs are spread over the calling process's OpenMP
- * threads (torch's own runtime: the loader links the libgomp torch already loaded).
- * Scores are kept for the whole sequence (two passes: scores + softmax, then the weighted
- * sum of V), which reads every K and V byte of the sequence once from memory.
+ * A decode step's attention reads every K and V byte of the batch once from memory, and
+ * little else: it is bound by the memory, so the kernel is shaped to read each byte once
+ * and to keep the memory busy:
+ *
+ * - The query heads that share a KV head (up to TILE of them) are scored against each K
+ *   page and summed over each V page together, so a page is read once for all of them.
+ * - The next page is prefetched while one is computed (the pages of a sequence lie
+ *   anywhere in the pool, so the hardware prefetcher cannot guess them).
+ * - A job is (sequence, KV head, split): where the batch has fewer (sequence, KV head)
+ *   pairs than the threads could share (batch 1), a sequence's pages are split into
+ *   ranges computed apart, each with its own maximum and sum, and merged after (as
+ *   flash-decoding does). Jobs are spread over the calling process's OpenMP threads
+ *   (torch's own runtime: the loader links the libgomp torch already loaded).
+ *
+ * A job reads its pages in one pass: each page's scores, then its V weighted by
+ * exp(score - the running maximum); where a later page raises the maximum, what was summed
+ * so far is scaled down to it (the online softmax of flash attention). The exponential is
+ * a polynomial the compiler vectorizes (exp_le0), not libm's expf, one call per score.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,97 +45,238 @@
 #endif
 #define D HEAD_DIM
 #define P PAGE_TOKENS
+#define TILE 4          /* query heads scored together against one page */
+#define SPLIT_PAGES 4   /* the fewest pages a split of a sequence gets */
+#define LINE 64         /* bytes of a cache line */
+#define AHEAD 4         /* pages prefetched ahead of the one computed, into the L2 */
 
-static void scores_of_page(const float* qs, const float* kt, float* out) {
-    /* out[o] = sum_d qs[d] * K[o][d], K stored transposed as kt[d * P + o]; four
-     * independent accumulators hide the FMA latency. */
-    float a0[P], a1[P], a2[P], a3[P];
-    for (int o = 0; o < P; o++) { a0[o] = 0.f; a1[o] = 0.f; a2[o] = 0.f; a3[o] = 0.f; }
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE void prefetch_block(const float* p, size_t floats) {
+    for (size_t i = 0; i < floats; i += LINE / sizeof(float)) __builtin_prefetch(p + i, 0, 1);
+}
+
+/* e^x for x <= 0 (a score minus its maximum), within 2 ulp of expf: x = n ln2 + r with
+ * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, times 2^n built in the exponent
+ * bits. Plain arithmetic, so a loop of it becomes vector code; below -87 it is 0. */
+ALWAYS_INLINE float exp_le0(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = __builtin_roundf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union { float f; int32_t i; } two = {.i = ((int32_t)n + 127) << 23};
+    const float e = p * two.f;
+    return x <= -87.f ? 0.f : e;
+}
+
+/* out[i * stride + o] = sum_d qs[i * D + d] * K[o][d] for the G heads of a tile, K stored
+ * transposed as kt[d * P + o]; four accumulators per head hide the FMA latency. G is a
+ * constant where this is inlined, so the arrays stay in registers. */
+ALWAYS_INLINE void scores_tile(const int G, const float* qs, const float* kt, float* out,
+                               size_t stride) {
+    float a0[TILE][P], a1[TILE][P], a2[TILE][P], a3[TILE][P];
+    for (int i = 0; i < G; i++)
+        for (int o = 0; o < P; o++) { a0[i][o] = 0.f; a1[i][o] = 0.f; a2[i][o] = 0.f; a3[i][o] = 0.f; }
     int d = 0;
-    for (; d + 4 <= D; d += 4) {
-        for (int o = 0; o < P; o++) {
-            a0[o] += qs[d] * kt[d * P + o];
-            a1[o] += qs[d + 1] * kt[(d + 1) * P + o];
-            a2[o] += qs[d + 2] * kt[(d + 2) * P + o];
-            a3[o] += qs[d + 3] * kt[(d + 3) * P + o];
-        }
-    }
-    for (; d < D; d++)
-        for (int o = 0; o < P; o++) a0[o] += qs[d] * kt[d * P + o];
-    for (int o = 0; o < P; o++) out[o] = (a0[o] + a1[o]) + (a2[o] + a3[o]);
-}
-
-static void softmax_inplace(float* s, int n, int width) {
-    float mx = s[0];
-    for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-    float tot = 0.f;
-    for (int t = 0; t < n; t++) { float e = expf(s[t] - mx); s[t] = e; tot += e; }
-    float inv = 1.f / tot;
-    for (int t = 0; t < n; t++) s[t] *= inv;
-    for (int t = n; t < width; t++) s[t] = 0.f;  /* the unused tail of the last page */
-}
-
-static void one_job(const float* qh, const float* kpool, const float* vpool,
-                    const int32_t* pages, int n, int h, int kv_heads, int group,
-                    float scale, float* s, float* out) {
-    const size_t page = (size_t)kv_heads * P * D;
-    const int npg = (n + P - 1) / P;
-    const int width = npg * P;
-    for (int i = 0; i < group; i++) {
-        float qs[D];
-        for (int d = 0; d < D; d++) qs[d] = qh[i * D + d] * scale;
-        float* si = s + (size_t)i * width;
-        for (int j = 0; j < npg; j++)
-            scores_of_page(qs, kpool + (size_t)pages[j] * page + (size_t)h * D * P, si + j * P);
-        softmax_inplace(si, n, width);
-        float acc0[D], acc1[D];
-        for (int d = 0; d < D; d++) { acc0[d] = 0.f; acc1[d] = 0.f; }
-        for (int j = 0; j < npg; j++) {
-            const float* vh = vpool + (size_t)pages[j] * page + (size_t)h * P * D;
-            const float* w = si + j * P;
-            /* Only the written positions: the rest of the last page may hold anything (a
-             * weight of 0 times a NaN left there is still NaN). */
-            const int m = n - j * P < P ? n - j * P : P;
-            int o = 0;
-            for (; o + 1 < m; o += 2) {
-                const float w0 = w[o], w1 = w[o + 1];
-                for (int d = 0; d < D; d++) {
-                    acc0[d] += w0 * vh[o * D + d];
-                    acc1[d] += w1 * vh[(o + 1) * D + d];
-                }
+    for (; d + 4 <= D; d += 4)
+        for (int i = 0; i < G; i++) {
+            const float* q = qs + i * D + d;
+            for (int o = 0; o < P; o++) {
+                a0[i][o] += q[0] * kt[d * P + o];
+                a1[i][o] += q[1] * kt[(d + 1) * P + o];
+                a2[i][o] += q[2] * kt[(d + 2) * P + o];
+                a3[i][o] += q[3] * kt[(d + 3) * P + o];
             }
-            if (o < m)
-                for (int d = 0; d < D; d++) acc0[d] += w[o] * vh[o * D + d];
         }
-        for (int d = 0; d < D; d++) out[i * D + d] = acc0[d] + acc1[d];
+    for (; d < D; d++)
+        for (int i = 0; i < G; i++)
+            for (int o = 0; o < P; o++) a0[i][o] += qs[i * D + d] * kt[d * P + o];
+    for (int i = 0; i < G; i++)
+        for (int o = 0; o < P; o++)
+            out[i * stride + o] = (a0[i][o] + a1[i][o]) + (a2[i][o] + a3[i][o]);
+}
+
+/* acc[i * D + d] += sum_o w[i * stride + o] * V[o][d] over the m written tokens of a page,
+ * for the G heads of a tile. One or two heads keep a second accumulator (odd tokens), so
+ * there are always enough independent sums to hide the FMA latency. */
+ALWAYS_INLINE void values_tile(const int G, const float* w, size_t stride, const float* vh,
+                               int m, float* acc) {
+    float s0[TILE][D], s1[TILE][D];
+    for (int i = 0; i < G; i++)
+        for (int d = 0; d < D; d++) { s0[i][d] = acc[i * D + d]; s1[i][d] = 0.f; }
+    int o = 0;
+    if (G <= 2)
+        for (; o + 1 < m; o += 2) {
+            float w0[TILE], w1[TILE];
+            for (int i = 0; i < G; i++) { w0[i] = w[i * stride + o]; w1[i] = w[i * stride + o + 1]; }
+            const float *v0 = vh + o * D, *v1 = v0 + D;
+            for (int i = 0; i < G; i++)
+                for (int d = 0; d < D; d++) {
+                    s0[i][d] += w0[i] * v0[d];
+                    s1[i][d] += w1[i] * v1[d];
+                }
+        }
+    for (; o < m; o++) {
+        float w0[TILE];
+        for (int i = 0; i < G; i++) w0[i] = w[i * stride + o];
+        const float* v0 = vh + o * D;
+        for (int i = 0; i < G; i++)
+            for (int d = 0; d < D; d++) s0[i][d] += w0[i] * v0[d];
+    }
+    for (int i = 0; i < G; i++)
+        for (int d = 0; d < D; d++) acc[i * D + d] = s0[i][d] + s1[i][d];
+}
+
+/* One tile of G heads over pages [j0, j1) of a sequence of n tokens: the sum acc [G, D]
+ * of V weighted by exp(score - mx), each head's maximum score mx and sum of weights. */
+ALWAYS_INLINE void tile_range(const int G, const float* qh, const float* kpool,
+                              const float* vpool, const int32_t* pages, int j0, int j1, int n,
+                              int h, int kv_heads, float scale, float* acc, float* mx,
+                              float* sum) {
+    const size_t page = (size_t)kv_heads * P * D;
+    const float* kh = kpool + (size_t)h * D * P; /* this KV head's block of page 0 */
+    const float* vh = vpool + (size_t)h * P * D;
+    float qs[TILE * D], m[TILE], tot[TILE];
+    for (int i = 0; i < G; i++) {
+        for (int d = 0; d < D; d++) qs[i * D + d] = qh[i * D + d] * scale;
+        m[i] = -INFINITY;
+        tot[i] = 0.f;
+    }
+    for (int i = 0; i < G * D; i++) acc[i] = 0.f;
+    for (int j = j0; j < j1 && j < j0 + AHEAD; j++) {
+        prefetch_block(kh + (size_t)pages[j] * page, D * P);
+        prefetch_block(vh + (size_t)pages[j] * page, P * D);
+    }
+    for (int j = j0; j < j1; j++) {
+        if (j + AHEAD < j1) {
+            prefetch_block(kh + (size_t)pages[j + AHEAD] * page, D * P);
+            prefetch_block(vh + (size_t)pages[j + AHEAD] * page, P * D);
+        }
+        float sc[TILE][P];
+        scores_tile(G, qs, kh + (size_t)pages[j] * page, &sc[0][0], P);
+        /* Only the written positions: the rest of the last page may hold anything (a weight
+         * of 0 times a NaN left there is still NaN, so those tokens are not summed). */
+        const int valid = n - j * P < P ? n - j * P : P;
+        for (int i = 0; i < G; i++) {
+            float top = m[i];
+            for (int o = 0; o < valid; o++) top = sc[i][o] > top ? sc[i][o] : top;
+            if (top > m[i]) { /* scale what was summed down to the new maximum */
+                const float f = exp_le0(m[i] - top);
+                for (int d = 0; d < D; d++) acc[i * D + d] *= f;
+                tot[i] *= f;
+                m[i] = top;
+            }
+            float t = 0.f;
+            for (int o = 0; o < P; o++) {
+                const float e = o < valid ? exp_le0(sc[i][o] - top) : 0.f;
+                sc[i][o] = e;
+                t += e;
+            }
+            tot[i] += t;
+        }
+        values_tile(G, &sc[0][0], P, vh + (size_t)pages[j] * page, valid, acc);
+    }
+    for (int i = 0; i < G; i++) { mx[i] = m[i]; sum[i] = tot[i]; }
+}
+
+/* Every head of one (sequence, KV head) over pages [j0, j1), tile by tile. */
+static void job_range(const float* qh, const float* kpool, const float* vpool,
+                      const int32_t* pages, int j0, int j1, int n, int h, int kv_heads,
+                      int group, float scale, float* acc, float* mx, float* sum) {
+    for (int i0 = 0; i0 < group; i0 += TILE) {
+        const int g = group - i0 < TILE ? group - i0 : TILE;
+        const float* q = qh + (size_t)i0 * D;
+        float *a = acc + (size_t)i0 * D, *m = mx + i0, *t = sum + i0;
+        switch (g) {
+        case 1: tile_range(1, q, kpool, vpool, pages, j0, j1, n, h, kv_heads, scale, a, m, t); break;
+        case 2: tile_range(2, q, kpool, vpool, pages, j0, j1, n, h, kv_heads, scale, a, m, t); break;
+        case 3: tile_range(3, q, kpool, vpool, pages, j0, j1, n, h, kv_heads, scale, a, m, t); break;
+        default: tile_range(4, q, kpool, vpool, pages, j0, j1, n, h, kv_heads, scale, a, m, t); break;
+        }
     }
 }
 
 int mc_paged_decode_f32(const float* q, const float* kpool, const float* vpool,
                         const int32_t* table, const int32_t* lens, float* out, int batch,
                         int kv_heads, int group, int max_pages, float scale, int threads) {
-    int failed = 0;
+    int widest = 0;
+    for (int b = 0; b < batch; b++) {
+        if (lens[b] < 1 || lens[b] > max_pages * P) return 1;
+        widest = lens[b] > widest ? lens[b] : widest;
+    }
+    /* Splits per (sequence, KV head): enough jobs for every thread several times over,
+     * none of fewer than SPLIT_PAGES pages. */
+    const int pairs = batch * kv_heads, widest_pages = (widest + P - 1) / P;
+    int splits = (4 * threads + pairs - 1) / pairs;
+    if (splits > widest_pages / SPLIT_PAGES) splits = widest_pages / SPLIT_PAGES;
+    if (splits < 1) splits = 1;
+    /* Split s of a pair: its weighted sums [group, D], maxima and sums of weights [group]
+     * at ((pair * splits + s) * group); one split writes `out` and scales it itself. */
+    const size_t parts = (size_t)pairs * splits * group;
+    float* part = splits > 1 ? (float*)malloc(sizeof(float) * parts * (D + 2)) : NULL;
+    float* pmax = part != NULL ? part + parts * D : NULL;
+    float* psum = part != NULL ? pmax + parts : NULL;
+    if (splits > 1 && part == NULL) return 2;
     #pragma omp parallel num_threads(threads)
     {
-        float* s = NULL;
-        size_t cap = 0;
         #pragma omp for schedule(dynamic, 1)
-        for (int job = 0; job < batch * kv_heads; job++) {
-            const int b = job / kv_heads, h = job % kv_heads;
-            const int n = lens[b];
-            if (n < 1 || n > max_pages * P) { failed = 1; continue; }
-            const size_t need = (size_t)group * ((n + P - 1) / P) * P;
-            if (need > cap) {
-                free(s);
-                cap = need * 2;
-                s = (float*)malloc(sizeof(float) * cap);
-                if (s == NULL) { cap = 0; failed = 1; continue; }
+        for (int job = 0; job < pairs * splits; job++) {
+            const int pair = job / splits, split = job % splits;
+            const int b = pair / kv_heads, h = pair % kv_heads;
+            const int n = lens[b], npg = (n + P - 1) / P;
+            const int j0 = (int)((long)npg * split / splits);
+            const int j1 = (int)((long)npg * (split + 1) / splits);
+            const int32_t* pages = table + (size_t)b * max_pages;
+            const size_t row = (size_t)pair * group;
+            if (splits == 1) {
+                float mx[TILE], sum[TILE];
+                for (int i0 = 0; i0 < group; i0 += TILE) { /* a tile at a time: mx, sum */
+                    const int g = group - i0 < TILE ? group - i0 : TILE;
+                    float* o = out + (row + i0) * D;
+                    job_range(q + (row + i0) * D, kpool, vpool, pages, j0, j1, n, h, kv_heads,
+                              g, scale, o, mx, sum);
+                    for (int i = 0; i < g; i++)
+                        for (int d = 0; d < D; d++) o[(size_t)i * D + d] /= sum[i];
+                }
+            } else {
+                const size_t at = ((size_t)pair * splits + split) * group;
+                if (j1 > j0)
+                    job_range(q + row * D, kpool, vpool, pages, j0, j1, n, h, kv_heads, group,
+                              scale, part + at * D, pmax + at, psum + at);
+                else
+                    for (int i = 0; i < group; i++) { pmax[at + i] = -INFINITY; psum[at + i] = 0.f; }
             }
-            const size_t row = ((size_t)b * kv_heads + h) * group * D;
-            one_job(q + row, kpool, vpool, table + (size_t)b * max_pages, n, h, kv_heads,
-                    group, scale, s, out + row);
         }
-        free(s);
+        if (splits > 1) {
+            /* A pair's splits merged, each scaled to the largest maximum. */
+            #pragma omp for schedule(static)
+            for (int ph = 0; ph < pairs * group; ph++) {
+                const int pair = ph / group, i = ph % group;
+                float m = -INFINITY;
+                for (int sp = 0; sp < splits; sp++) {
+                    const float v = pmax[((size_t)pair * splits + sp) * group + i];
+                    m = v > m ? v : m;
+                }
+                float acc[D], tot = 0.f;
+                for (int d = 0; d < D; d++) acc[d] = 0.f;
+                for (int sp = 0; sp < splits; sp++) {
+                    const size_t at = ((size_t)pair * splits + sp) * group + i;
+                    if (psum[at] == 0.f) continue; /* an empty split */
+                    const float f = exp_le0(pmax[at] - m);
+                    tot += f * psum[at];
+                    for (int d = 0; d < D; d++) acc[d] += f * part[at * D + d];
+                }
+                float* o = out + ((size_t)pair * group + i) * D;
+                for (int d = 0; d < D; d++) o[d] = acc[d] / tot;
+            }
+        }
     }
-    return failed;
+    free(part);
+    return 0;
 }
