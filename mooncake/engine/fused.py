@@ -1,9 +1,10 @@
-"""The fused decode step: each decoder layer of a decode step in one native call.
+"""The fused decode step: every decoder layer of a decode step in one native call.
 
 With the weights in quantized blocks a decode step of a small model on the CPU spends as long
 in the interpreter (~30 small torch calls per layer) as in its GEMMs. `FusedDecode` runs every
 layer through `native/decode_layer.c` (norms, GEMMs over the blocks, RoPE, the KV write into
-the pages, paged attention, SwiGLU, residuals), one ctypes call per layer; the embedding, the
+the pages, paged attention, SwiGLU, residuals), one ctypes call for all the layers of a step,
+in one OpenMP parallel region; the embedding, the
 RoPE tables and the final norm and head stay the model's own (`Decoder.embed_tokens`,
 `Decoder.rope`, `Decoder.logits`).
 
@@ -14,8 +15,6 @@ reported by `Engine.decode_path`.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 from torch import Tensor
@@ -36,10 +35,10 @@ class FusedDecode:
         self.model, self.pool, self.kernel = model, pool, kernel
         spec = model.spec
         self.spec = spec
-        self.args: list[native.MCLayerArgs] = []
+        self.args = (native.MCLayerArgs * len(model.layers))()
         for i, block in enumerate(model.layers):
             assert isinstance(block, Block)
-            a = native.MCLayerArgs()
+            a = self.args[i]
             a.attn_norm = block.attn_norm.weight.data_ptr()
             a.ffn_norm = block.ffn_norm.weight.data_ptr()
             for j, name in enumerate(ORDER):
@@ -50,7 +49,6 @@ class FusedDecode:
             a.hidden, a.heads, a.kv_heads = spec.hidden, spec.heads, spec.kv_heads
             a.ffn, a.rot = spec.ffn, spec.rotary_dim
             a.eps, a.scale = block.attn_norm.eps, spec.head_dim**-0.5
-            self.args.append(a)
         # The norms' weights and the blocks are the model's own tensors, held by it; the
         # addresses above stay valid while the model lives (weights are not replaced in
         # serving: the model is packed for good).
@@ -93,7 +91,7 @@ class FusedDecode:
             a.page, a.offset = page.data_ptr(), offset.data_ptr()
             a.table, a.lens, a.scratch = table.data_ptr(), lens.data_ptr(), scratch.data_ptr()
             a.M, a.max_pages, a.threads = b, table.shape[1], threads
-            failed = self.kernel.layer(ctypes.byref(a))
-            if failed:
-                raise RuntimeError(f"fused decode layer refused its arguments (code {failed})")
+        failed = self.kernel.layers(self.args, len(self.args))
+        if failed:
+            raise RuntimeError(f"fused decode step refused its arguments (code {failed})")
         return model.logits(x)

@@ -255,11 +255,12 @@ class MCLayerArgs(ctypes.Structure):
 
 @dataclass(frozen=True)
 class DecodeLayer:
-    """decode_layer.c built for one (head_dim, page_tokens): `layer(pointer(args))` runs a
-    layer (0, or non-zero for a shape it refuses), `scratch_floats(M, hidden, heads,
-    kv_heads, ffn)` sizes its scratch buffer."""
+    """decode_layer.c built for one (head_dim, page_tokens): `layers(args, count)` runs a
+    decode step through `count` layers (an array of MCLayerArgs; 0, or non-zero for
+    arguments it refuses), `scratch_floats(M, hidden, heads, kv_heads, ffn)` sizes the
+    scratch buffer they share."""
 
-    layer: ctypes._CFuncPtr  # type: ignore[name-defined]
+    layers: ctypes._CFuncPtr  # type: ignore[name-defined]
     scratch_floats: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
@@ -275,7 +276,7 @@ def _load_decode_layer(head_dim: int, page_tokens: int) -> DecodeLayer | None:
     lib = _open(LAYER_SOURCE, defines, "fused decode layer", deps=(SOURCE, QUANT_SOURCE))
     if lib is None:
         return None
-    layer, scratch = lib.mc_decode_layer, lib.mc_decode_scratch_floats
-    layer.argtypes, layer.restype = [ctypes.POINTER(MCLayerArgs)], ctypes.c_int
+    layers, scratch = lib.mc_decode_layers, lib.mc_decode_scratch_floats
+    layers.argtypes, layers.restype = [ctypes.POINTER(MCLayerArgs), ctypes.c_int], ctypes.c_int
     scratch.argtypes, scratch.restype = [ctypes.c_int] * 5, ctypes.c_long
-    return DecodeLayer(layer, scratch)
+    return DecodeLayer(layers, scratch)

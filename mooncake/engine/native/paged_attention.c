@@ -202,81 +202,109 @@ static void job_range(const float* qh, const float* kpool, const float* vpool,
     }
 }
 
-int mc_paged_decode_f32(const float* q, const float* kpool, const float* vpool,
-                        const int32_t* table, const int32_t* lens, float* out, int batch,
-                        int kv_heads, int group, int max_pages, float scale, int threads) {
+/* How a batch's attention is cut into jobs: the splits per (sequence, KV head), and the
+ * splits' partial sums where there are several. The same for every layer of a step. */
+typedef struct {
+    int batch, kv_heads, group, max_pages, splits;
+    float *part, *pmax, *psum; /* [pairs, splits, group] x (D, 1, 1); NULL for one split */
+} att_plan;
+
+/* 0, 1 for a length outside the page table, 2 for no memory. */
+static int att_plan_make(att_plan* plan, const int32_t* lens, int batch, int kv_heads,
+                         int group, int max_pages, int threads) {
     int widest = 0;
     for (int b = 0; b < batch; b++) {
         if (lens[b] < 1 || lens[b] > max_pages * P) return 1;
         widest = lens[b] > widest ? lens[b] : widest;
     }
-    /* Splits per (sequence, KV head): enough jobs for every thread several times over,
-     * none of fewer than SPLIT_PAGES pages. */
+    /* Enough jobs for every thread several times over, none of fewer than SPLIT_PAGES
+     * pages. */
     const int pairs = batch * kv_heads, widest_pages = (widest + P - 1) / P;
     int splits = (4 * threads + pairs - 1) / pairs;
     if (splits > widest_pages / SPLIT_PAGES) splits = widest_pages / SPLIT_PAGES;
     if (splits < 1) splits = 1;
-    /* Split s of a pair: its weighted sums [group, D], maxima and sums of weights [group]
-     * at ((pair * splits + s) * group); one split writes `out` and scales it itself. */
-    const size_t parts = (size_t)pairs * splits * group;
-    float* part = splits > 1 ? (float*)malloc(sizeof(float) * parts * (D + 2)) : NULL;
-    float* pmax = part != NULL ? part + parts * D : NULL;
-    float* psum = part != NULL ? pmax + parts : NULL;
-    if (splits > 1 && part == NULL) return 2;
-    #pragma omp parallel num_threads(threads)
-    {
-        #pragma omp for schedule(dynamic, 1)
-        for (int job = 0; job < pairs * splits; job++) {
-            const int pair = job / splits, split = job % splits;
-            const int b = pair / kv_heads, h = pair % kv_heads;
-            const int n = lens[b], npg = (n + P - 1) / P;
-            const int j0 = (int)((long)npg * split / splits);
-            const int j1 = (int)((long)npg * (split + 1) / splits);
-            const int32_t* pages = table + (size_t)b * max_pages;
-            const size_t row = (size_t)pair * group;
-            if (splits == 1) {
-                float mx[TILE], sum[TILE];
-                for (int i0 = 0; i0 < group; i0 += TILE) { /* a tile at a time: mx, sum */
-                    const int g = group - i0 < TILE ? group - i0 : TILE;
-                    float* o = out + (row + i0) * D;
-                    job_range(q + (row + i0) * D, kpool, vpool, pages, j0, j1, n, h, kv_heads,
-                              g, scale, o, mx, sum);
-                    for (int i = 0; i < g; i++)
-                        for (int d = 0; d < D; d++) o[(size_t)i * D + d] /= sum[i];
-                }
-            } else {
-                const size_t at = ((size_t)pair * splits + split) * group;
-                if (j1 > j0)
-                    job_range(q + row * D, kpool, vpool, pages, j0, j1, n, h, kv_heads, group,
-                              scale, part + at * D, pmax + at, psum + at);
-                else
-                    for (int i = 0; i < group; i++) { pmax[at + i] = -INFINITY; psum[at + i] = 0.f; }
+    *plan = (att_plan){batch, kv_heads, group, max_pages, splits, NULL, NULL, NULL};
+    if (splits > 1) {
+        const size_t parts = (size_t)pairs * splits * group;
+        plan->part = (float*)malloc(sizeof(float) * parts * (D + 2));
+        if (plan->part == NULL) return 2;
+        plan->pmax = plan->part + parts * D;
+        plan->psum = plan->pmax + parts;
+    }
+    return 0;
+}
+
+static void att_plan_free(att_plan* plan) { free(plan->part); }
+
+/* The attention of one layer, run by every thread of the enclosing parallel region (its
+ * loops are shared out among them; all have passed its last barrier when it returns). */
+static void att_run(const att_plan* plan, const float* q, const float* kpool,
+                    const float* vpool, const int32_t* table, const int32_t* lens, float* out,
+                    float scale) {
+    const int kv_heads = plan->kv_heads, group = plan->group, splits = plan->splits;
+    const int pairs = plan->batch * kv_heads, max_pages = plan->max_pages;
+    float *part = plan->part, *pmax = plan->pmax, *psum = plan->psum;
+    #pragma omp for schedule(dynamic, 1)
+    for (int job = 0; job < pairs * splits; job++) {
+        const int pair = job / splits, split = job % splits;
+        const int b = pair / kv_heads, h = pair % kv_heads;
+        const int n = lens[b], npg = (n + P - 1) / P;
+        const int j0 = (int)((long)npg * split / splits);
+        const int j1 = (int)((long)npg * (split + 1) / splits);
+        const int32_t* pages = table + (size_t)b * max_pages;
+        const size_t row = (size_t)pair * group;
+        if (splits == 1) {
+            float mx[TILE], sum[TILE];
+            for (int i0 = 0; i0 < group; i0 += TILE) { /* a tile at a time: mx, sum */
+                const int g = group - i0 < TILE ? group - i0 : TILE;
+                float* o = out + (row + i0) * D;
+                job_range(q + (row + i0) * D, kpool, vpool, pages, j0, j1, n, h, kv_heads, g,
+                          scale, o, mx, sum);
+                for (int i = 0; i < g; i++)
+                    for (int d = 0; d < D; d++) o[(size_t)i * D + d] /= sum[i];
             }
-        }
-        if (splits > 1) {
-            /* A pair's splits merged, each scaled to the largest maximum. */
-            #pragma omp for schedule(static)
-            for (int ph = 0; ph < pairs * group; ph++) {
-                const int pair = ph / group, i = ph % group;
-                float m = -INFINITY;
-                for (int sp = 0; sp < splits; sp++) {
-                    const float v = pmax[((size_t)pair * splits + sp) * group + i];
-                    m = v > m ? v : m;
-                }
-                float acc[D], tot = 0.f;
-                for (int d = 0; d < D; d++) acc[d] = 0.f;
-                for (int sp = 0; sp < splits; sp++) {
-                    const size_t at = ((size_t)pair * splits + sp) * group + i;
-                    if (psum[at] == 0.f) continue; /* an empty split */
-                    const float f = exp_le0(pmax[at] - m);
-                    tot += f * psum[at];
-                    for (int d = 0; d < D; d++) acc[d] += f * part[at * D + d];
-                }
-                float* o = out + ((size_t)pair * group + i) * D;
-                for (int d = 0; d < D; d++) o[d] = acc[d] / tot;
-            }
+        } else {
+            const size_t at = ((size_t)pair * splits + split) * group;
+            if (j1 > j0)
+                job_range(q + row * D, kpool, vpool, pages, j0, j1, n, h, kv_heads, group,
+                          scale, part + at * D, pmax + at, psum + at);
+            else
+                for (int i = 0; i < group; i++) { pmax[at + i] = -INFINITY; psum[at + i] = 0.f; }
         }
     }
-    free(part);
+    if (splits > 1) {
+        /* A pair's splits merged, each scaled to the largest maximum. */
+        #pragma omp for schedule(static)
+        for (int ph = 0; ph < pairs * group; ph++) {
+            const int pair = ph / group, i = ph % group;
+            float m = -INFINITY;
+            for (int sp = 0; sp < splits; sp++) {
+                const float v = pmax[((size_t)pair * splits + sp) * group + i];
+                m = v > m ? v : m;
+            }
+            float acc[D], tot = 0.f;
+            for (int d = 0; d < D; d++) acc[d] = 0.f;
+            for (int sp = 0; sp < splits; sp++) {
+                const size_t at = ((size_t)pair * splits + sp) * group + i;
+                if (psum[at] == 0.f) continue; /* an empty split */
+                const float f = exp_le0(pmax[at] - m);
+                tot += f * psum[at];
+                for (int d = 0; d < D; d++) acc[d] += f * part[at * D + d];
+            }
+            float* o = out + ((size_t)pair * group + i) * D;
+            for (int d = 0; d < D; d++) o[d] = acc[d] / tot;
+        }
+    }
+}
+
+int mc_paged_decode_f32(const float* q, const float* kpool, const float* vpool,
+                        const int32_t* table, const int32_t* lens, float* out, int batch,
+                        int kv_heads, int group, int max_pages, float scale, int threads) {
+    att_plan plan;
+    const int failed = att_plan_make(&plan, lens, batch, kv_heads, group, max_pages, threads);
+    if (failed) return failed;
+    #pragma omp parallel num_threads(threads)
+    att_run(&plan, q, kpool, vpool, table, lens, out, scale);
+    att_plan_free(&plan);
     return 0;
 }

@@ -194,6 +194,17 @@ Q_TILE(q8_8, 8, WIDEN_Q8)
 
 typedef void (*tile_fn)(const uint8_t*, const float*, const float*, int, float*, int, int, int);
 
+/* Thread t of T's share of y: output columns [N t / T, N (t + 1) / T), every row. */
+static void gemm_slice(const tile_fn* tiles, const uint8_t* qs, const float* sc, const float* x,
+                       float* y, int M, int N, int K, int t, int T) {
+    const int n0 = (int)((long)N * t / T), n1 = (int)((long)N * (t + 1) / T);
+    int r = 0;
+    for (; r + 8 <= M; r += 8) tiles[3](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1);
+    if (M - r >= 4) { tiles[2](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1); r += 4; }
+    if (M - r >= 2) { tiles[1](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1); r += 2; }
+    if (M - r >= 1) tiles[0](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1);
+}
+
 static int gemm(const tile_fn* tiles, const uint8_t* qs, const float* sc, const float* x,
                 float* y, int M, int N, int K, int threads) {
     if (K % QK || M < 0 || N < 0) return 1;
@@ -204,12 +215,7 @@ static int gemm(const tile_fn* tiles, const uint8_t* qs, const float* sc, const 
         t = omp_get_thread_num();
         T = omp_get_num_threads();
 #endif
-        const int n0 = (int)((long)N * t / T), n1 = (int)((long)N * (t + 1) / T);
-        int r = 0;
-        for (; r + 8 <= M; r += 8) tiles[3](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1);
-        if (M - r >= 4) { tiles[2](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1); r += 4; }
-        if (M - r >= 2) { tiles[1](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1); r += 2; }
-        if (M - r >= 1) tiles[0](qs, sc, x + (size_t)r * K, K, y + (size_t)r * N, N, n0, n1);
+        gemm_slice(tiles, qs, sc, x, y, M, N, K, t, T);
     }
     return 0;
 }
