@@ -234,25 +234,19 @@ int mc_q8_gemm(const uint8_t* qs, const float* d, const float* x, float* y, int 
 }
 
 /* Rows n0..n1-1 of W as float32 (out [n1 - n0, K]): for GEMMs of many rows (a prefill),
- * which run faster as one float32 GEMM over a dequantized slice. */
-typedef void (*block_fn)(const uint8_t*, const float*, int, int, int, float*);
+ * which run faster as one float32 GEMM over a dequantized slice. One function a format, so
+ * that its block is inlined and vectorized. */
+#define DEQUANT(NAME, BLOCK)                                                                   \
+    int NAME(const uint8_t* qs, const float* sc, float* out, int n0, int n1, int K,            \
+             int threads) {                                                                    \
+        if (K % QK) return 1;                                                                  \
+        const int nb = K / QK;                                                                 \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        for (int n = n0; n < n1; n++)                                                          \
+            for (int b = 0; b < nb; b++)                                                       \
+                BLOCK(qs, sc, n, nb, b, out + (size_t)(n - n0) * K + (size_t)b * QK);          \
+        return 0;                                                                              \
+    }
 
-static int dequant(block_fn block, const uint8_t* qs, const float* sc, float* out, int n0,
-                   int n1, int K, int threads) {
-    if (K % QK) return 1;
-    const int nb = K / QK;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = n0; n < n1; n++)
-        for (int b = 0; b < nb; b++) block(qs, sc, n, nb, b, out + (size_t)(n - n0) * K + b * QK);
-    return 0;
-}
-
-int mc_q4_dequant(const uint8_t* qs, const float* dm, float* out, int n0, int n1, int K,
-                  int threads) {
-    return dequant(block_q4, qs, dm, out, n0, n1, K, threads);
-}
-
-int mc_q8_dequant(const uint8_t* qs, const float* d, float* out, int n0, int n1, int K,
-                  int threads) {
-    return dequant(block_q8, qs, d, out, n0, n1, K, threads);
-}
+DEQUANT(mc_q4_dequant, block_q4)
+DEQUANT(mc_q8_dequant, block_q8)
