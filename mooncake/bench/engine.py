@@ -56,6 +56,7 @@ import torch
 from mooncake import memory
 from mooncake.engine import DecodeBatch, Engine, SamplingParams
 from mooncake.engine.dummy import SHAPES, dummy_model
+from mooncake.engine.errors import EngineError
 from mooncake.engine.gguf_loader import load_gguf, smollm2_path
 from mooncake.engine.hf_loader import hf_name
 from mooncake.engine.model import Decoder
@@ -414,6 +415,15 @@ def _shape_engine(shape: str, dev: torch.device, log: Log) -> tuple[Engine, Any,
     return Engine(model, None, block_tokens=PREFIX_BLOCK), ref, f"{shape} (random weights)"
 
 
+def _check_decode_fits(engine: Engine, prompt: int, tokens: int) -> None:
+    longest = prompt + 8 * 7 + tokens  # batch 8's longest sequence
+    if longest > engine.spec.context:
+        raise EngineError(
+            f"decode runs of {tokens} tokens after prompts of {prompt} (up to +56 in batch 8) "
+            f"need {longest} positions; the model has {engine.spec.context}"
+        )
+
+
 def run_engine_bench(
     *,
     prefill_tokens: int = 512,
@@ -431,11 +441,13 @@ def run_engine_bench(
     dev = torch.device(device)
     if shape is not None:
         engine, ref, name = _shape_engine(shape, dev, log)
+        _check_decode_fits(engine, decode_prompt, decode_tokens)
     else:
         log("loading SmolLM2 (engine) and the transformers reference from the same GGUF")
         loaded = load_gguf(smollm2_path(), device=dev, weights=weights)
         loaded.model.pack_weights()  # as a serving worker holds them
         engine = Engine(loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK)
+        _check_decode_fits(engine, decode_prompt, decode_tokens)
         ref, name = _load_reference(dev), loaded.name
     model = engine.model
     quantized = bool(model.quantized())

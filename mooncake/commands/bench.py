@@ -164,6 +164,13 @@ def bench_conductor(
 def bench_engine(
     prefill_tokens: Annotated[int, typer.Option(help="Prompt tokens for the prefill run")] = 512,
     decode_tokens: Annotated[int, typer.Option(help="Tokens per decode run")] = 64,
+    decode_prompt: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Prompt tokens before each decode run (batch 8: this plus 0, 8, .. 56)",
+        ),
+    ] = 128,
     reps: Annotated[int, typer.Option(min=1, help="Timed repetitions (median)")] = 5,
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's)")] = None,
     device: Annotated[str, typer.Option(help="torch device")] = "cpu",
@@ -183,21 +190,27 @@ def bench_engine(
     installed), batch-8 decode, and the prefill speedup of a cached prefix."""
     from mooncake.bench.engine import run_engine_bench
     from mooncake.engine.dummy import SHAPES
+    from mooncake.engine.errors import EngineError
 
     if weights not in ("quantized", "float32"):
         raise typer.BadParameter("quantized or float32", param_hint="--weights")
     if shape is not None and shape not in SHAPES:
         raise typer.BadParameter(" | ".join(SHAPES), param_hint="--shape")
-    result = run_engine_bench(
-        prefill_tokens=prefill_tokens,
-        decode_tokens=decode_tokens,
-        reps=reps,
-        threads=threads,
-        device=device,
-        weights="quantized" if weights == "quantized" else "float32",
-        shape=shape,
-        log=err.print,
-    )
+    try:
+        result = run_engine_bench(
+            prefill_tokens=prefill_tokens,
+            decode_tokens=decode_tokens,
+            decode_prompt=decode_prompt,
+            reps=reps,
+            threads=threads,
+            device=device,
+            weights="quantized" if weights == "quantized" else "float32",
+            shape=shape,
+            log=err.print,
+        )
+    except EngineError as exc:
+        err.print(f"[red]bench engine:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
     print_result("bench engine", result, as_json)
 
 

@@ -8,8 +8,10 @@ import ctypes
 import time
 
 import numpy as np
+from typer.testing import CliRunner
 
 from mooncake.bench import engine as bench
+from mooncake.cli import app
 from mooncake.engine import Engine
 
 
@@ -62,3 +64,9 @@ def test_llamacpp_fields(engine: Engine) -> None:
     theirs = out["llamacpp_decode_tok_s_b1"]
     assert isinstance(theirs, float)
     assert abs(out["b8_over_llamacpp_b1"] - 100.0 / theirs) <= 0.01 * 100.0 / theirs  # type: ignore[operator]
+
+
+def test_bench_engine_refuses_decode_runs_longer_than_the_context() -> None:
+    got = CliRunner().invoke(app, ["bench", "engine", "--decode-prompt", "8150"])
+    assert got.exit_code == 2, got.output
+    assert "need 8270 positions; the model has 8192" in got.output
