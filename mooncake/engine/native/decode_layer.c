@@ -152,15 +152,21 @@ static void layer_ws(const mc_layer_args* a, const att_plan* plan) {
 
 /* A decode step through `count` consecutive layers, in one parallel region: the layers
  * share the step's rows, positions, pages and scratch (layers[0]'s M, threads, table...),
- * each its own weights and pools. 0, or 1 / 2 (check_layer), 3 a length outside the
- * page table, 4 no memory. */
+ * each its own weights and pools. 0, or 1 / 2 (check_layer; 2 also where a layer's step
+ * shape differs from layers[0]'s), 3 a length outside the page table, 4 no memory. */
 int mc_decode_layers(const mc_layer_args* layers, int count) {
-    for (int l = 0; l < count; l++) {
-        const int refused = check_layer(&layers[l]);
-        if (refused) return refused;
-    }
     if (count < 1) return 0;
     const mc_layer_args* a = &layers[0];
+    for (int l = 0; l < count; l++) {
+        const mc_layer_args* b = &layers[l];
+        const int refused = check_layer(b);
+        if (refused) return refused;
+        /* One plan and one team for every layer: the step's shape is the same in each. */
+        if (b->M != a->M || b->heads != a->heads || b->kv_heads != a->kv_heads ||
+            b->max_pages != a->max_pages || b->lens != a->lens || b->table != a->table ||
+            b->threads != a->threads)
+            return 2;
+    }
     att_plan plan;
     const int failed = att_plan_make(&plan, a->lens, a->M, a->kv_heads, a->heads / a->kv_heads,
                                      a->max_pages, a->threads);
