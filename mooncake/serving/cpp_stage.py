@@ -98,43 +98,27 @@ async def run_stage(
     `busy` gets each chunk's compute seconds; `abort` (set by whoever watches the group)
     stops it between chunks and in every wait (`activations.Aborted`)."""
     with compute_heap():  # one window over every chunk: no trim and refault between them
-        return await _run_chunks(engine, kv, layers, chunks, tokens, inbox, outbox, writer,
-                                 busy, abort)  # fmt: skip
-
-
-async def _run_chunks(
-    engine: Engine,
-    kv: PagedKV,
-    layers: tuple[int, int],
-    chunks: Sequence[tuple[int, int]],
-    tokens: Sequence[int],
-    inbox: Inbox | None,
-    outbox: Outbox | None,
-    writer: StageBlockWriter | None,
-    busy: list[float] | None,
-    abort: asyncio.Event | None,
-) -> Tensor | None:
-    logits = None
-    for k, (a, b) in enumerate(chunks):
-        chunk: Sequence[int] | Tensor = (
-            tokens[a:b] if inbox is None else (await inbox.receive(abort=abort))[None]
-        )
-        if abort is not None and abort.is_set():
-            raise Aborted("the pipeline was given up")
-        final = outbox is None and k == len(chunks) - 1
-        t0 = time.perf_counter()
-        with tracer().start_as_current_span(
-            "cpp chunk", attributes={"mc.cpp.chunk": k, "mc.cpp.start": a, "mc.cpp.end": b,
-                                     "mc.cpp.layers": f"{layers[0]}-{layers[1]}"},
-        ):  # fmt: skip
-            out = await asyncio.to_thread(run_chunk, engine, kv, layers, a, chunk, logits=final)
-        if busy is not None:
-            busy.append(time.perf_counter() - t0)
-        if outbox is not None:
-            # The next stage's input first: it is on the critical path.
-            await outbox.send(out, abort=abort)
-        elif final:
-            logits = out
-        if writer is not None:
-            await writer.chunk_done(b)
-    return logits
+        logits = None
+        for k, (a, b) in enumerate(chunks):
+            chunk: Sequence[int] | Tensor = (
+                tokens[a:b] if inbox is None else (await inbox.receive(abort=abort))[None]
+            )
+            if abort is not None and abort.is_set():
+                raise Aborted("the pipeline was given up")
+            final = outbox is None and k == len(chunks) - 1
+            t0 = time.perf_counter()
+            with tracer().start_as_current_span(
+                "cpp chunk", attributes={"mc.cpp.chunk": k, "mc.cpp.start": a, "mc.cpp.end": b,
+                                         "mc.cpp.layers": f"{layers[0]}-{layers[1]}"},
+            ):  # fmt: skip
+                out = await asyncio.to_thread(run_chunk, engine, kv, layers, a, chunk, logits=final)
+            if busy is not None:
+                busy.append(time.perf_counter() - t0)
+            if outbox is not None:
+                # The next stage's input first: it is on the critical path.
+                await outbox.send(out, abort=abort)
+            elif final:
+                logits = out
+            if writer is not None:
+                await writer.chunk_done(b)
+        return logits
