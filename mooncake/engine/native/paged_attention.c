@@ -186,20 +186,27 @@ ALWAYS_INLINE void tile_range(const int G, const float* qh, const float* kpool,
     for (int i = 0; i < G; i++) { mx[i] = m[i]; sum[i] = tot[i]; }
 }
 
-/* Every head of one (sequence, KV head) over pages [j0, j1), tile by tile. */
+/* Every head of one (sequence, KV head) over pages [j0, j1), tile by tile. With mx and sum
+ * (a split of the sequence), acc gets the unnormalized sums and they the maxima and sums
+ * of weights, for the merge; without (mx NULL: the whole sequence), acc gets the
+ * attention itself. */
 static void job_range(const float* qh, const float* kpool, const float* vpool,
                       const int32_t* pages, int j0, int j1, int n, int h, int kv_heads,
                       int group, float scale, float* acc, float* mx, float* sum) {
     for (int i0 = 0; i0 < group; i0 += TILE) {
         const int g = group - i0 < TILE ? group - i0 : TILE;
         const float* q = qh + (size_t)i0 * D;
-        float *a = acc + (size_t)i0 * D, *m = mx + i0, *t = sum + i0;
+        float tile_mx[TILE], tile_sum[TILE];
+        float *a = acc + (size_t)i0 * D, *m = mx ? mx + i0 : tile_mx, *t = mx ? sum + i0 : tile_sum;
         switch (g) {
         case 1: tile_range(1, q, kpool, vpool, pages, j0, j1, n, h, kv_heads, scale, a, m, t); break;
         case 2: tile_range(2, q, kpool, vpool, pages, j0, j1, n, h, kv_heads, scale, a, m, t); break;
         case 3: tile_range(3, q, kpool, vpool, pages, j0, j1, n, h, kv_heads, scale, a, m, t); break;
         default: tile_range(4, q, kpool, vpool, pages, j0, j1, n, h, kv_heads, scale, a, m, t); break;
         }
+        if (mx == NULL)
+            for (int i = 0; i < g; i++)
+                for (int d = 0; d < D; d++) a[(size_t)i * D + d] /= t[i];
     }
 }
 
@@ -256,15 +263,8 @@ static void att_run(const att_plan* plan, const float* q, const float* kpool,
         const int32_t* pages = table + (size_t)b * max_pages;
         const size_t row = (size_t)pair * group;
         if (splits == 1) {
-            float mx[TILE], sum[TILE];
-            for (int i0 = 0; i0 < group; i0 += TILE) { /* a tile at a time: mx, sum */
-                const int g = group - i0 < TILE ? group - i0 : TILE;
-                float* o = out + (row + i0) * D;
-                job_range(q + (row + i0) * D, kpool, vpool, pages, j0, j1, n, h, kv_heads, g,
-                          scale, o, mx, sum);
-                for (int i = 0; i < g; i++)
-                    for (int d = 0; d < D; d++) o[(size_t)i * D + d] /= sum[i];
-            }
+            job_range(q + row * D, kpool, vpool, pages, j0, j1, n, h, kv_heads, group, scale,
+                      out + row * D, NULL, NULL);
         } else {
             const size_t at = ((size_t)pair * splits + split) * group;
             if (j1 > j0)
