@@ -210,7 +210,8 @@ class PrefillWorker:
             if deadline is not None and time.time() >= deadline:
                 return await self._cancelled(work, "deadline")
             interval = max(self._ctx.settings.bus.ack_wait_s / 3, 0.1)
-            async with keep_alive(d, interval):
+            # One compute window over the work: the heap is given back once it is done.
+            async with keep_alive(d, interval), memory.compute_window():
                 if work.cpp is not None and work.cpp.stage > 0:
                     return await self._stage(work, d, running)
                 return await self._prefill(work, d, running)
@@ -261,8 +262,6 @@ class PrefillWorker:
         finally:
             if not self._replicating(done):
                 done.release()  # its whole blocks stay cached in the pool (the engine tier)
-            # After the hand-over (not on the way to the first token): what the prefill freed.
-            await asyncio.to_thread(memory.release_free_heap)
 
     async def _prefill_kv(
         self, work: PrefillWork, d: Delivery, running: Running, span: Span
@@ -333,7 +332,6 @@ class PrefillWorker:
         else:
             metrics.CPP_STAGES.labels("dropped").inc()
             log.info("stage %d of %s dropped: %s", work.cpp.stage, work.request_id, why)
-        await asyncio.to_thread(memory.release_free_heap)
         return ACK
 
     def _deadline_timer(self, work: PrefillWork, running: Running) -> asyncio.TimerHandle | None:

@@ -1,6 +1,7 @@
 """`memory.compute_heap`: inside the window a prefill's large temporaries are reused from
 the heap layer after layer, where outside it each is a fresh mapping faulted in page by
-page; the window nests; `mapped_temporaries` turns it off (the benchmark's baseline). Run in
+page; the window nests, also in a worker's async window (`compute_window`); `mapped_temporaries`
+turns it off (the benchmark's baseline). Run in
 child processes: the allocator's settings are process-wide."""
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ if sys.argv[1] == "window":
         out["inner_closed"] = layers()  # the outer window is still open
         out["open"] = memory._computing
     out["closed"] = memory._computing
+elif sys.argv[1] == "async":
+    import asyncio
+
+    async def work():
+        async with memory.compute_window():  # a worker's window over its piece of work
+            with memory.compute_heap():  # the engine's own, inside it
+                out["engine"] = layers()
+            out["after_engine"] = layers()  # the engine's window closed: the worker's holds
+            out["open"] = memory._computing
+        out["closed"] = memory._computing
+        out["after_work"] = layers()  # mapped one by one again
+
+    asyncio.run(work())
 else:
     with memory.mapped_temporaries(), memory.compute_heap():
         out["off"] = layers()
@@ -62,6 +76,15 @@ def test_the_window_reuses_the_heap_layer_after_layer_and_nests() -> None:
     assert f["inside"] < f["outside"] // 5, f  # reused from the heap
     assert f["inner_closed"] < f["outside"] // 5, f  # nested: still one window
     assert (f["open"], f["closed"]) == (1, 0), f
+
+
+@pytest.mark.skipif(memory._libc() is None, reason="glibc only")
+def test_a_workers_window_holds_the_heap_across_the_engines_until_its_work_is_done() -> None:
+    f = _child("async")
+    assert f["engine"] < FRESH // 10, f
+    assert f["after_engine"] < FRESH // 10, f  # not trimmed when the engine's window closed
+    assert (f["open"], f["closed"]) == (1, 0), f
+    assert f["after_work"] > FRESH // 2, f  # closed: back to a mapping each
 
 
 @pytest.mark.skipif(memory._libc() is None, reason="glibc only")
