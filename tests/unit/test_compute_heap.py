@@ -1,8 +1,8 @@
 """`memory.compute_heap`: inside the window a prefill's large temporaries are reused from
 the heap layer after layer, where outside it each is a fresh mapping faulted in page by
-page; the window nests, also in a worker's async window (`compute_window`); `mapped_temporaries`
-turns it off (the benchmark's baseline). Run in
-child processes: the allocator's settings are process-wide."""
+page; the window nests, also in a worker's async window (`compute_window`);
+`mapped_temporaries` turns it off (the benchmark's baseline). Run in child processes: the
+allocator's settings are process-wide."""
 
 from __future__ import annotations
 
