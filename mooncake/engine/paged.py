@@ -1,11 +1,13 @@
 """Attention backends over the paged KV pool (the decoder's `AttentionBackend`s).
 
 - `PagedPrefill`: S new tokens of one sequence at positions start..start+S-1. Their k, v are
-  written into the sequence's pages; with nothing cached the attention is the fused causal
-  kernel over the new tokens themselves (no pool read), otherwise the cached positions are
-  read out of their pages once per layer and the new tokens attend to them and to
-  themselves (on CUDA through the fused causal kernel aligned to the bottom right, no mask;
-  on the CPU as two flash calls merged by their log-sum-exps, `merged_suffix_attention`;
+  written into the sequence's pages. On the CPU in float32 the attention is then the
+  native prefill kernel (engine.native), which reads every key, cached or new, in place
+  from its pages. Elsewhere: with nothing cached, the fused causal kernel over the new
+  tokens themselves (no pool read); otherwise the cached positions are read out of their
+  pages once per layer and the new tokens attend to them and to themselves (on CUDA
+  through the fused causal kernel aligned to the bottom right, no mask; on a CPU without
+  a C compiler as two flash calls merged by their log-sum-exps, `merged_suffix_attention`;
   with a mask per run of rows only where this torch lacks that kernel).
 - `PagedDecode`: one new token per sequence for a whole batch. The new k, v go into each
   sequence's next page slot, then attention reads every sequence's pages through its block
@@ -22,7 +24,7 @@ from torch import Tensor
 
 from mooncake.engine import native
 from mooncake.engine.model import attention, causal_suffix_attention, merged_suffix_attention
-from mooncake.engine.pool import KVPool, PagedKV
+from mooncake.engine.pool import KVPool, PagedKV, pages_for
 
 # A prefill over a cached prefix attends in runs of this many query rows: the kernel makes a
 # float mask of [rows, keys] out of the boolean one, so an 8k-token prompt in one run held a
@@ -30,16 +32,30 @@ from mooncake.engine.pool import KVPool, PagedKV
 PREFIX_QUERY_ROWS = 1024
 # False: the CPU masks in runs of rows even where the merged flash path is there (tests).
 MERGED_ON_CPU = True
+# False: the CPU takes the torch paths even where the native prefill kernel is there (tests).
+NATIVE_PREFILL = True
 
 
 class PagedPrefill:
     def __init__(self, kv: PagedKV, start: int, new: int) -> None:
-        self.kv, self.pool, self.start = kv, kv.pool, start
+        self.kv, self.pool, self.start, self.new = kv, kv.pool, start, new
         self.page, self.offset = self.pool.locate(kv.table(), start, start + new)
+        self.kernel = None
+        if NATIVE_PREFILL and self.pool.device.type == "cpu" and self.pool.dtype == torch.float32:
+            self.kernel = native.load_prefill(self.pool.shape.head_dim, self.pool.page_tokens)
+        if self.kernel is not None:
+            self.pages = kv.table()[: pages_for(start + new, self.pool.page_tokens)].to(torch.int32)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.pool.write(layer, self.page, self.offset, k[0].transpose(0, 1), v[0].transpose(0, 1))
         last_only = q.shape[2] == 1  # the last position alone sees every key: no mask
+        if self.kernel is not None and q.dtype == torch.float32:
+            # Every key read in place from its pages (engine.native's prefill kernel): the
+            # new tokens' own, just written, and a cached prefix's alike.
+            first = self.start + self.new - q.shape[2]  # the last position alone, or all
+            out = self.kernel(q[0].transpose(0, 1), self.pool.k(layer), self.pool.v(layer),
+                              self.pages, first, q.shape[-1] ** -0.5)  # fmt: skip
+            return out.transpose(0, 1)[None]
         if not self.start:
             return attention(q, k, v, None, causal=not last_only or k.shape[2] == 1)
         # The new k, v are in their pages now: one gather of every position, no concatenation.

@@ -158,6 +158,50 @@ def test_native_decode_attention_over_scattered_pages(group: int, threads: int) 
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("group", [1, 3, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_prefill_attention_over_scattered_pages(group: int, threads: int) -> None:
+    """The prefill kernel alone, against SDPA with a causal mask over the sequence's KV
+    gathered in order: S new tokens at positions start.., each seeing every key up to its
+    own; pages anywhere in the pool, NaN in every slot not written (past the sequence's
+    end, and pages no sequence holds); q a strided view, as the model hands it over; tiles
+    of 12 rows that do not divide S x group; one token alone (a last-position-only layer)."""
+    page, dim, kv_heads = 16, 32, 2
+    kernel = native.load_prefill(dim, page)
+    if kernel is None:
+        pytest.skip("no C compiler here: the native kernel cannot be built")
+    g = torch.Generator().manual_seed(group * 10 + threads)
+    pages = 160
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for start, new in ((0, 1), (0, 37), (5, 3), (100, 200), (1000, 29), (1100, 1)):
+            n = start + new
+            need = (n + page - 1) // page
+            kpool = torch.full((pages, kv_heads, dim, page), float("nan"))
+            vpool = torch.full((pages, kv_heads, page, dim), float("nan"))
+            table = torch.randperm(pages, generator=g)[:need].to(torch.int32)
+            keys = torch.randn(kv_heads, n, dim, generator=g)
+            values = torch.randn(kv_heads, n, dim, generator=g)
+            idx = table.long()
+            split_k = kpool[idx].permute(1, 0, 3, 2).reshape(kv_heads, -1, dim)
+            split_k[:, :n] = keys
+            kpool[idx] = split_k.view(kv_heads, need, page, dim).permute(1, 0, 3, 2)
+            split_v = vpool[idx].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+            split_v[:, :n] = values
+            vpool[idx] = split_v.view(kv_heads, need, page, dim).permute(1, 0, 2, 3)
+            q = torch.randn(kv_heads * group, new, dim, generator=g) * 3
+            got = kernel(q.transpose(0, 1), kpool, vpool, table, start, dim**-0.5)
+            assert got.shape == (new, kv_heads * group, dim)
+            mask = torch.ones(new, n, dtype=torch.bool).tril(start)
+            want = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True
+            )[0]
+            assert torch.allclose(got.transpose(0, 1), want, atol=1e-5), (start, new)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_preempted_sequences_resume_to_the_tokens_they_get_alone() -> None:
     """A pool too small for every sequence at once: the youngest are preempted, recomputed
     and rejoin; each ends with exactly the tokens it gets with the pool to itself."""

@@ -18,6 +18,7 @@ from mooncake.engine import (
     SamplingParams,
     block_from_bytes,
     block_to_bytes,
+    native,
     paged,
 )
 from mooncake.engine.engine import Prefilled
@@ -62,6 +63,28 @@ def test_prefill_from_cached_blocks_matches_full(
     )
 
 
+def test_native_prefill_attention_gives_the_torch_paths_logits(
+    engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native prefill kernel (pages read in place) against torch's attention (fused
+    causal with nothing cached, the merged flash calls over a cached prefix): the same
+    logits at every position, cold and with 1 or 2 cached blocks."""
+    if native.load_prefill(engine.spec.head_dim, engine.pool.page_tokens) is None:
+        pytest.skip("no C compiler here: the native kernel cannot be built")
+    tokens = chat(PROMPT)
+    blocks = engine.blocks(engine.prefill(tokens).kv)
+    runs: dict[bool, list[torch.Tensor]] = {}
+    for on in (True, False):
+        monkeypatch.setattr(paged, "NATIVE_PREFILL", on)
+        runs[on] = [engine.prefill(tokens, all_logits=True).logits]
+        for k in (1, 2):
+            prefix = engine.prefix_from_blocks(blocks[:k])
+            runs[on].append(engine.prefill(tokens, prefix=prefix, all_logits=True).logits)
+    for native_logits, torch_logits in zip(runs[True], runs[False], strict=True):
+        assert native_logits.shape == torch_logits.shape
+        assert (native_logits - torch_logits).abs().max().item() < ATOL
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_prefix_prefill_in_query_runs_matches_one_run(
     engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch, rows: int
@@ -72,6 +95,7 @@ def test_prefix_prefill_in_query_runs_matches_one_run(
     tokens = chat(PROMPT)
     full = engine.prefill(tokens, all_logits=True)
     blocks = engine.blocks(full.kv)
+    monkeypatch.setattr(paged, "NATIVE_PREFILL", False)
     monkeypatch.setattr(paged, "MERGED_ON_CPU", False)
     monkeypatch.setattr(paged, "PREFIX_QUERY_ROWS", rows)
     prefix = engine.prefix_from_blocks(blocks[:2])

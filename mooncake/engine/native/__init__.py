@@ -1,6 +1,8 @@
 """Native kernels the engine builds at run time: decode attention over the paged KV pool,
-GEMMs over block-quantized weights (`quant_gemm.c`, see `engine.quant`), and a whole decoder
-layer of a decode step (`decode_layer.c`, see `engine.fused`).
+prefill attention over it (`prefill_attention.c`: a prompt's new tokens over its cached
+prefix and themselves, read in place from the pages), GEMMs over block-quantized weights
+(`quant_gemm.c`, see `engine.quant`), and a whole decoder layer of a decode step
+(`decode_layer.c`, see `engine.fused`).
 
 torch has no CPU kernel that reads attention keys through a page table: gathering every
 sequence's pages into a padded tensor first costs a full extra copy of the batch's KV per
@@ -42,6 +44,7 @@ log = logging.getLogger("mooncake.engine.native")
 SOURCE = Path(__file__).with_name("paged_attention.c")
 QUANT_SOURCE = Path(__file__).with_name("quant_gemm.c")
 LAYER_SOURCE = Path(__file__).with_name("decode_layer.c")  # includes the two above
+PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.c")  # includes paged_attention.c
 # Not -ffast-math: gcc links crtfastmath.o into a shared object built with it, which sets
 # flush-to-zero / denormals-are-zero for the whole process when the kernel is loaded (every
 # torch op of the worker would then flush subnormals). The kernel's loops keep independent
@@ -196,6 +199,60 @@ def _load(head_dim: int, page_tokens: int) -> PagedDecode | None:
     fn.argtypes = [ptr] * 6 + [i32] * 4 + [ctypes.c_float, i32]
     fn.restype = i32
     return PagedDecode(head_dim, page_tokens, fn)
+
+
+@dataclass(frozen=True)
+class PagedPrefill:
+    """The built prefill kernel for one (head_dim, page_tokens)."""
+
+    head_dim: int
+    page_tokens: int
+    fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kpool: torch.Tensor,
+        vpool: torch.Tensor,
+        pages: torch.Tensor,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of S new tokens at positions start..start+S-1, each over every key up
+        to its own: q [S, heads, D] float32 (any strides but D's, which must be 1); kpool
+        [pages, kv_heads, D, P], vpool [pages, kv_heads, P, D]; pages int32, the sequence's
+        pool pages covering its start + S positions (their K, V written). Returns [S, heads,
+        D]."""
+        s, heads, dim = q.shape
+        kv_heads = kpool.shape[1]
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        if pages.numel() * self.page_tokens < start + s:
+            raise RuntimeError("paged prefill: the page table does not cover the positions")
+        out = torch.empty((s, heads, dim), dtype=q.dtype, device=q.device)
+        self.fn(q.data_ptr(), q.stride(0), q.stride(1), kpool.data_ptr(), vpool.data_ptr(),
+                pages.data_ptr(), out.data_ptr(), s, start, kv_heads, heads // kv_heads,
+                scale, torch.get_num_threads())  # fmt: skip
+        return out
+
+
+def load_prefill(head_dim: int, page_tokens: int) -> PagedPrefill | None:
+    """The prefill kernel for this shape, built on first use (None: none can be built here,
+    or the shape is not one it supports: head_dim and page_tokens multiples of 16, and
+    page_tokens dividing 64)."""
+    return _once(("prefill", head_dim, page_tokens), lambda: _load_prefill(head_dim, page_tokens))
+
+
+def _load_prefill(head_dim: int, page_tokens: int) -> PagedPrefill | None:
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+    lib = _open(PREFILL_SOURCE, defines, "paged prefill attention", deps=(SOURCE,))
+    if lib is None or not lib.mc_paged_prefill_supported():
+        return None
+    fn = lib.mc_paged_prefill_f32
+    ptr, i32, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    fn.argtypes = [ptr, long, long, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.restype = i32
+    return PagedPrefill(head_dim, page_tokens, fn)
 
 
 @dataclass(frozen=True)
