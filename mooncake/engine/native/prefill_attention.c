@@ -18,7 +18,9 @@
  * Unlike decode, this is bound by arithmetic, not memory: every key is read by every query
  * row that sees it. A tile is ROWS query rows of one KV head (the rows of consecutive new
  * tokens and the query heads that share the KV head, flattened); a job is TPJ consecutive
- * tiles, which walk the keys together in blocks of KB, and for each block a tile
+ * tiles, which walk the keys together in blocks of KB, so a block comes from memory once
+ * for all of them (measured here: 8 tiles a job ran long prompts' attention ~15 % faster
+ * than 2, whose K and V outgrow the L2), and for each block a tile
  *
  *   1. scores the ROWS rows against KB keys, ROWS x KB / 2 sums kept in vector registers
  *      while each K row (one HEAD_DIM index across 16 tokens) is read once for all rows;
@@ -46,7 +48,7 @@
 #if D % 16 == 0 && P % 16 == 0 && 64 % P == 0
 #define PREFILL_SUPPORTED 1
 #define KB 64           /* keys of a block */
-#define TPJ 2           /* tiles of a job */
+#define TPJ 8           /* tiles of a job */
 #define ROWS 12         /* query rows of a tile */
 #define HALF (ROWS / 2) /* rows summed at once over V */
 #define DV (D / 16)     /* vectors of a head's row */
