@@ -30,9 +30,9 @@
  *      registers while each V row is read once for those rows.
  *
  * The jobs go out KV head by KV head, so the threads read the same head's keys (a head's K
- * and V of 2,048 tokens fill a 1 MiB L2; ordered tile-major, each thread's caches held
- * every head's and the kernel ran ~15 % slower), the last tiles first: they see the most
- * keys, so the threads finish together.
+ * and V of 2,048 tokens are 1 MiB; ordered tile-major, each thread's caches held every
+ * head's and the kernel ran ~15 % slower), the last tiles first: they see the most keys, so
+ * the threads finish together.
  *
  * Only the last blocks a tile sees can hold keys some of its rows may not (later
  * positions): there a key past a row's position scores -infinity, by a select (not
@@ -63,6 +63,29 @@ ALWAYS_INLINE vf vload(const float* p) {
 }
 
 ALWAYS_INLINE void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* The largest and the sum of a vector's 16 lanes, halving it four times (a tree, not a
+ * chain of 15 dependent steps). */
+ALWAYS_INLINE vf vmax(vf a, vf b) {
+    const vi gt = a > b; /* all ones where a is larger */
+    return (vf)((gt & (vi)a) | (~gt & (vi)b));
+}
+
+ALWAYS_INLINE float hmax(vf v) {
+    v = vmax(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return v[0];
+}
+
+ALWAYS_INLINE float hsum(vf v) {
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
 
 ALWAYS_INLINE vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
@@ -177,28 +200,21 @@ static void tile_block(tile_state* t, const float* kh, const float* vh, size_t p
         if (masked)
             for (int j = 0; j < KB; j++) s[j] = kb + j <= t->lim[r] ? s[j] : -INFINITY;
         vf big = vsplat(t->m[r]);
-        for (int j = 0; j < KB; j += 16) {
-            const vf x = vload(s + j);
-            const vi gt = x > big; /* all ones where x is larger */
-            big = (vf)((gt & (vi)x) | (~gt & (vi)big));
-        }
-        float top = big[0];
-        for (int j = 1; j < 16; j++) top = big[j] > top ? big[j] : top;
+        for (int j = 0; j < KB; j += 16) big = vmax(vload(s + j), big);
+        const float top = hmax(big);
         /* Key 0, in the first block, is seen by every row: top is finite from there. */
         alpha[r] = exp_le0(t->m[r] - top);
         t->m[r] = top;
         for (int j = 0; j < KB; j++) s[j] = exp_le0(s[j] - top);
         vf part = vload(s);
         for (int j = 16; j < KB; j += 16) part += vload(s + j);
-        float sum = 0.f;
-        for (int j = 0; j < 16; j++) sum += part[j];
-        t->l[r] = t->l[r] * alpha[r] + sum;
+        t->l[r] = t->l[r] * alpha[r] + hsum(part);
     }
     /* Keys past the tile's last visible one weigh 0 for every row, and may not be written:
      * not summed. */
     const int keys = t->hi - kb + 1 < KB ? t->hi - kb + 1 : KB;
-    block_values((const float (*)[KB])sc, alpha, vh, page, pages, kb, keys, 0, t->o);
-    block_values((const float (*)[KB])sc, alpha, vh, page, pages, kb, keys, HALF, t->o);
+    for (int r0 = 0; r0 < ROWS; r0 += HALF)
+        block_values((const float (*)[KB])sc, alpha, vh, page, pages, kb, keys, r0, t->o);
 }
 
 static void tile_finish(const tile_state* t, float* out, int S, int heads, int group, int h,
