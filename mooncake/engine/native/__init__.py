@@ -144,12 +144,16 @@ def _open(
 
 
 @dataclass(frozen=True)
-class PagedDecode:
-    """The built kernel for one (head_dim, page_tokens)."""
+class ShapedKernel:
+    """A kernel built for one (head_dim, page_tokens): its C function."""
 
     head_dim: int
     page_tokens: int
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
+class PagedDecode(ShapedKernel):
+    """paged_attention.c's decode attention."""
 
     def __call__(
         self,
@@ -201,13 +205,8 @@ def _load(head_dim: int, page_tokens: int) -> PagedDecode | None:
     return PagedDecode(head_dim, page_tokens, fn)
 
 
-@dataclass(frozen=True)
-class PagedPrefill:
-    """The built prefill kernel for one (head_dim, page_tokens)."""
-
-    head_dim: int
-    page_tokens: int
-    fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+class PagedPrefill(ShapedKernel):
+    """prefill_attention.c's prefill attention."""
 
     def __call__(
         self,
@@ -230,9 +229,10 @@ class PagedPrefill:
         if pages.numel() * self.page_tokens < start + s:
             raise RuntimeError("paged prefill: the page table does not cover the positions")
         out = torch.empty((s, heads, dim), dtype=q.dtype, device=q.device)
-        self.fn(q.data_ptr(), q.stride(0), q.stride(1), kpool.data_ptr(), vpool.data_ptr(),
-                pages.data_ptr(), out.data_ptr(), s, start, kv_heads, heads // kv_heads,
-                scale, torch.get_num_threads())  # fmt: skip
+        if self.fn(q.data_ptr(), q.stride(0), q.stride(1), kpool.data_ptr(), vpool.data_ptr(),
+                   pages.data_ptr(), out.data_ptr(), s, start, kv_heads, heads // kv_heads,
+                   scale, torch.get_num_threads()):  # fmt: skip
+            raise RuntimeError("paged prefill: a shape this build does not support")
         return out
 
 
