@@ -48,7 +48,6 @@ class PagedPrefill:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.pool.write(layer, self.page, self.offset, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        last_only = q.shape[2] == 1  # the last position alone sees every key: no mask
         if self.kernel is not None and q.dtype == torch.float32:
             # Every key read in place from its pages (engine.native's prefill kernel): the
             # new tokens' own, just written, and a cached prefix's alike.
@@ -56,6 +55,7 @@ class PagedPrefill:
             out = self.kernel(q[0].transpose(0, 1), self.pool.k(layer), self.pool.v(layer),
                               self.pages, first, q.shape[-1] ** -0.5)  # fmt: skip
             return out.transpose(0, 1)[None]
+        last_only = q.shape[2] == 1  # the last position alone sees every key: no mask
         if not self.start:
             return attention(q, k, v, None, causal=not last_only or k.shape[2] == 1)
         # The new k, v are in their pages now: one gather of every position, no concatenation.

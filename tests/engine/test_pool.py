@@ -4,6 +4,9 @@ asks before it gives, and preempted sequences resume to the tokens they get alon
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -111,6 +114,17 @@ def test_paged_decode_attention_equals_attention_over_contiguous_kv(path: str) -
     assert torch.allclose(got, reference(q, keys, values), atol=1e-5)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch (and the kernels, which take its count) on n threads, then back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("group", [1, 3, 5])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_decode_attention_over_scattered_pages(group: int, threads: int) -> None:
@@ -127,20 +141,18 @@ def test_native_decode_attention_over_scattered_pages(group: int, threads: int) 
     kpool = torch.randn(pages, kv_heads, dim, page, generator=g)
     vpool = torch.randn(pages, kv_heads, page, dim, generator=g)
     order = torch.randperm(pages, generator=g).to(torch.int32)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for lens in ([1000], [1, 16, 17, 300, 40]):
             need = [(n + page - 1) // page for n in lens]
             width = max(need)
             table = torch.zeros(len(lens), width, dtype=torch.int32)
             at = 0
-            for b, k in enumerate(need):
-                table[b, :k] = order[at : at + k]
-                at += k
+            for b, count in enumerate(need):
+                table[b, :count] = order[at : at + count]
+                at += count
                 used = lens[b] % page
                 if used:  # the rest of the last page: never written
-                    last = int(table[b, k - 1])
+                    last = int(table[b, count - 1])
                     kpool[last, :, :, used:] = float("nan")
                     vpool[last, :, used:, :] = float("nan")
             q = torch.randn(len(lens), kv_heads, group, dim, generator=g) * 3
@@ -154,8 +166,6 @@ def test_native_decode_attention_over_scattered_pages(group: int, threads: int) 
                 want = F.scaled_dot_product_attention(q[b][:, :, None], k[:, None], v[:, None])
                 want = want[:, :, 0]
                 assert torch.allclose(out[b], want, atol=1e-5), (lens, b)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("group", [1, 3, 5])
@@ -172,9 +182,7 @@ def test_native_prefill_attention_over_scattered_pages(group: int, threads: int)
         pytest.skip("no C compiler here: the native kernel cannot be built")
     g = torch.Generator().manual_seed(group * 10 + threads)
     pages = 160
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for start, new in ((0, 1), (0, 37), (5, 3), (100, 200), (1000, 29), (1100, 1)):
             n = start + new
             need = (n + page - 1) // page
@@ -198,8 +206,6 @@ def test_native_prefill_attention_over_scattered_pages(group: int, threads: int)
                 q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True
             )[0]
             assert torch.allclose(got.transpose(0, 1), want, atol=1e-5), (start, new)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_preempted_sequences_resume_to_the_tokens_they_get_alone() -> None:
