@@ -33,6 +33,7 @@ from mooncake.db.engine import async_engine
 from mooncake.engine import Engine, generate
 from mooncake.engine.sampling import SamplingParams as EngineParams
 from mooncake.serving.models import build_engine
+from mooncake.work import LoadReport, WorkSubjects
 
 from helpers import Worker, endings, running_workers, wait_for
 
@@ -106,6 +107,8 @@ async def nc(system: System) -> AsyncIterator[NATS]:
     conn = await nats.connect(system.settings.nats_url)
     try:
         await wait_for(lambda: _answers(conn, system), 120, "the pipeline to answer")
+        # One prefill instance answers; the Conductor groups only instances it has seen.
+        await _reported_twice(conn, system, PREFILLS)
         yield conn
     finally:
         await conn.drain()
@@ -125,6 +128,27 @@ async def _answers(conn: NATS, system: System) -> bool:
     out = await ask(conn, token_ids=[1, 2, 3], ns=system.ns,
                     params=ev.SamplingParams(max_tokens=2), timeout_s=10)  # fmt: skip
     return out.finished
+
+
+async def _reported_twice(conn: NATS, system: System, instances: tuple[str, ...]) -> None:
+    """Until each of `instances` has sent two load reports: alive, and its first report
+    (its join) had a report interval to reach the Conductor."""
+    seen: dict[str, set[int]] = {i: set() for i in instances}
+
+    async def on_report(msg: Any) -> None:
+        r = LoadReport.model_validate_json(msg.data)
+        if r.instance in seen:
+            seen[r.instance].add(r.seq)
+
+    sub = await conn.subscribe(WorkSubjects(system.ns).load(), cb=on_report)
+    try:
+
+        async def reported() -> bool:
+            return all(len(s) >= 2 for s in seen.values())
+
+        await wait_for(reported, 120, f"two load reports from each of {instances}")
+    finally:
+        await sub.unsubscribe()
 
 
 def _prompt(n: int, seed: int) -> list[int]:
