@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mooncake.cpus import format_cpus, parse_cpus
 from mooncake.namespace import Namespace
 
 DEFAULT_DATA_DIR = Path(".mooncake")
@@ -132,6 +133,9 @@ class EngineSettings(BaseModel):
     gguf_path: Path | None = None
     device: str = "cpu"
     threads: Annotated[int, Field(ge=1)] | None = None
+    # The CPUs the worker runs on ("0-3,8", as `taskset -c` takes them; mooncake/cpus.py):
+    # pinned at start, and `threads` defaults to their number. None: wherever the OS puts it.
+    cpus: str | None = None
     # quantized: the GGUF file's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks on the CPU
     # (the file's values, multiplied in float32: ~6x fewer bytes read per decode step);
     # float32: every weight dequantized on load (the reference; what other devices use).
@@ -141,6 +145,7 @@ class EngineSettings(BaseModel):
     # bucket on a GPU (engine.graphs); eager: the model's forward, op by op (same math).
     decode: Literal["fused", "eager"] = "fused"
     dummy: DummyModel = DummyModel()
+
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV
     # pool, `Settings.kv_cache_bytes`).
     max_batch: Annotated[int, Field(ge=1, le=1024)] = 32
@@ -148,6 +153,11 @@ class EngineSettings(BaseModel):
     # the engine and report them: the Conductor's cost model starts from this machine's
     # measured speed instead of the reference hardware's (core/online_cost.py).
     calibrate: bool = True
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpu_list(cls, v: str | None) -> str | None:
+        return None if v is None else format_cpus(parse_cpus(v))
 
 
 class ConductorSettings(BaseModel):

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mooncake.config import Settings
+from mooncake.cpus import available, format_cpus, spread
 
 WARM_TOKENS = 64
 PARALLEL_REPS = 3
@@ -46,6 +47,17 @@ class CppBenchOptions:
     # Chunks of about equal FLOPs (`core.cpp.chunk_ranges` with `flops_cost`), as many as
     # of `chunk_tokens`; False: every chunk `chunk_tokens` long.
     balanced: bool = True
+    # Each worker pinned to CPUs of its own (`engine.cpus`, `cpus.spread` over this
+    # process's CPUs; round and round where there are fewer), as a host running several
+    # workers pins them; the single worker to the first stage's. False: the OS places them.
+    pin: bool = True
+
+
+def worker_cpus(opts: CppBenchOptions, index: int, workers: int) -> str | None:
+    """`engine.cpus` of worker `index` of `workers` (None: not pinned)."""
+    if not opts.pin:
+        return None
+    return format_cpus(spread(workers, opts.threads, available())[index])
 
 
 def flops_cost(spec: Any) -> Callable[[int, int], float]:
@@ -79,8 +91,9 @@ def bench_prompt(tokens: int, vocab: int) -> list[int]:
     return torch.randint(256, vocab, (tokens,), generator=gen).tolist()
 
 
-def _engine(settings: Settings, opts: CppBenchOptions) -> Any:
-    """(In a child.) The workers' engine at `opts.threads` threads, a pool for one prompt."""
+def _engine(settings: Settings, opts: CppBenchOptions, cpus: str | None = None) -> Any:
+    """(In a child.) The workers' engine at `opts.threads` threads on `cpus`, a pool for
+    one prompt."""
     from pydantic import ByteSize
 
     from mooncake.engine.engine import min_pool_tokens
@@ -91,7 +104,7 @@ def _engine(settings: Settings, opts: CppBenchOptions) -> Any:
     per_token = spec.kv_bytes_per_token(4)
     pool = (min_pool_tokens(spec.context, settings.block_tokens) + 2 * WARM_TOKENS) * per_token
     update = {
-        "engine": settings.engine.model_copy(update={"threads": opts.threads}),
+        "engine": settings.engine.model_copy(update={"threads": opts.threads, "cpus": cpus}),
         "kv_cache_bytes": ByteSize(pool),
     }
     return build_engine(settings.model_copy(update=update))
@@ -99,7 +112,7 @@ def _engine(settings: Settings, opts: CppBenchOptions) -> Any:
 
 def _single(settings: Settings, opts: CppBenchOptions, conn: Connection) -> None:
     """(Child.) The single worker: ready, go, the whole prompt, its logits."""
-    engine = _engine(settings, opts)
+    engine = _engine(settings, opts, worker_cpus(opts, 0, 1))
     tokens = bench_prompt(opts.prompt_tokens, engine.spec.vocab_size)
     warm = engine.prefill(tokens[:WARM_TOKENS])
     warm.kv.release()
@@ -109,10 +122,12 @@ def _single(settings: Settings, opts: CppBenchOptions, conn: Connection) -> None
     conn.send(("logits", done.logits.float().tolist()))
 
 
-def _throughput(settings: Settings, opts: CppBenchOptions, conn: Connection) -> None:
+def _throughput(
+    settings: Settings, opts: CppBenchOptions, index: int, workers: int, conn: Connection
+) -> None:
     """(Child.) Prefills of one chunk's worth of tokens, timed: run alone and side by side,
     they measure how much two workers on this machine get done together (`parallel_2`)."""
-    engine = _engine(settings, opts)
+    engine = _engine(settings, opts, worker_cpus(opts, index, workers))
     tokens = bench_prompt(min(opts.chunk_tokens, opts.prompt_tokens), engine.spec.vocab_size)
     engine.prefill(tokens[:WARM_TOKENS]).kv.release()
     conn.send(("ready",))
@@ -128,7 +143,7 @@ def parallel_2(settings: Settings, opts: CppBenchOptions) -> float:
     2.0 where the machine runs them fully in parallel; the ceiling of `speedup_2` here."""
     times = []
     for n in (1, 2):
-        procs = [_spawn(_throughput, settings, opts) for _ in range(n)]
+        procs = [_spawn(_throughput, settings, opts, i, n) for i in range(n)]
         try:
             for _, c in procs:
                 _expect(c, "ready")
@@ -158,7 +173,7 @@ async def _stage_async(
     from mooncake.store.segment import Segment
     from mooncake.store.transfer import SegmentTable, make_client, make_server
 
-    engine = _engine(settings, opts)
+    engine = _engine(settings, opts, worker_cpus(opts, index, n))
     spec = engine.spec
     tokens = bench_prompt(opts.prompt_tokens, spec.vocab_size)
     plan = plan_of(spec, opts, n)
@@ -278,7 +293,7 @@ def run_cpp_bench(settings: Settings, opts: CppBenchOptions) -> dict[str, Any]:
         "model": settings.engine.model, "prompt_tokens": opts.prompt_tokens,
         "chunk_tokens": opts.chunk_tokens, "balanced_chunks": opts.balanced,
         "chunks": [b - a for a, b in plan_of(spec, opts, 2).chunks],
-        "threads_per_worker": opts.threads,
+        "threads_per_worker": opts.threads, "pinned": opts.pin,
         "transport": opts.transport, "layers": spec.layers, "ttft_1_s": round(ttft_1, 3),
     }  # fmt: skip
     diffs = []

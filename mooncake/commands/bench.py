@@ -342,6 +342,14 @@ def bench_cpp(
             help="Every chunk CHUNK_TOKENS long (default: as many chunks of about equal FLOPs)",
         ),
     ] = False,
+    no_pin: Annotated[
+        bool,
+        typer.Option(
+            "--no-pin",
+            help="Leave the workers where the OS puts them (default: each pinned to CPUs of "
+            "its own, engine.cpus)",
+        ),
+    ] = False,
     live: Annotated[
         bool,
         typer.Option(
@@ -379,8 +387,9 @@ def bench_cpp(
         raise typer.Exit(2)
     settings = settings_or_exit()
     opts = CppBenchOptions(
-        prompt_tokens, chunk_tokens, threads, groups, transport, balanced=not even_chunks
-    )
+        prompt_tokens, chunk_tokens, threads, groups, transport, balanced=not even_chunks,
+        pin=not no_pin,
+    )  # fmt: skip
     try:
         result = run_cpp_bench(settings, opts)
     except ValueError as exc:

@@ -11,8 +11,10 @@ import torch
 from mooncake import events as ev
 from mooncake import memory
 from mooncake.config import Settings
+from mooncake.cpus import format_cpus, parse_cpus, pin_process
 from mooncake.engine import Engine, dummy_model
 from mooncake.engine import SamplingParams as EngineSampling
+from mooncake.engine.errors import EngineError
 from mooncake.engine.profile import calibrate
 from mooncake.model_info import dummy_spec
 from mooncake.serving.cpp_group import inbox_bytes_bound
@@ -32,8 +34,10 @@ def build_engine(settings: Settings) -> Engine:
     """The configured model on the configured device with its KV pool (EngineError on a bad
     model file, or a budget that cannot hold one full context)."""
     s = settings.engine
-    if s.threads is not None:
-        torch.set_num_threads(s.threads)
+    pinned = pin_engine(s.cpus)
+    threads = s.threads if s.threads is not None else len(pinned) if pinned else None
+    if threads is not None:
+        torch.set_num_threads(threads)
     memory.keep_heap_small()
     if s.model == "dummy":
         model, tokenizer = dummy_model(dummy_spec(s), device=s.device), None
@@ -58,8 +62,24 @@ def build_engine(settings: Settings) -> Engine:
     inbox = inbox_bytes_bound(settings, spec.hidden, spec.vocab_size)
     log.info("%s", memory_statement(engine, settings.store.dram_bytes, inbox))
     kept = "quantized blocks" if model.quantized() else "float32"
-    log.info("engine: weights as %s, %s decode steps", kept, engine.decode_path)
+    where = f", pinned to CPUs {format_cpus(pinned)}" if pinned else ""
+    log.info("engine: weights as %s, %s decode steps, %d threads%s", kept,
+             engine.decode_path, torch.get_num_threads(), where)  # fmt: skip
     return engine
+
+
+def pin_engine(cpus: str | None) -> tuple[int, ...]:
+    """Pin this process to the `engine.cpus` list (mooncake/cpus.py), before torch starts
+    its threads where it has not yet; the CPUs, or () where none are set. EngineError
+    where the list cannot be pinned to here (CPUs outside this process's set)."""
+    if cpus is None:
+        return ()
+    wanted = parse_cpus(cpus)
+    try:
+        pin_process(wanted)
+    except ValueError as exc:
+        raise EngineError(f"engine.cpus {cpus}: {exc}") from None
+    return wanted
 
 
 def warm_decode(engine: Engine, max_batch: int) -> int:
