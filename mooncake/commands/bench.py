@@ -342,6 +342,10 @@ def bench_cpp(
             help="Every chunk CHUNK_TOKENS long (default: as many chunks of about equal FLOPs)",
         ),
     ] = False,
+    reps: Annotated[
+        int,
+        typer.Option(min=1, help="Repetitions of every run (medians; speedups per repetition)"),
+    ] = 1,
     no_pin: Annotated[
         bool,
         typer.Option(
@@ -388,7 +392,7 @@ def bench_cpp(
     settings = settings_or_exit()
     opts = CppBenchOptions(
         prompt_tokens, chunk_tokens, threads, groups, transport, balanced=not even_chunks,
-        pin=not no_pin,
+        pin=not no_pin, reps=reps,
     )  # fmt: skip
     try:
         result = run_cpp_bench(settings, opts)

@@ -17,10 +17,12 @@ def test_a_pipeline_of_stage_processes_computes_one_workers_logits(transport: st
     dummy = DummyModel(layers=4, context=1024)
     settings = Settings(engine=EngineSettings(model="dummy", dummy=dummy), block_tokens=64)
     opts = CppBenchOptions(
-        prompt_tokens=640, chunk_tokens=128, threads=1, stages=(2, 4), transport=transport
-    )
+        prompt_tokens=640, chunk_tokens=128, threads=1, stages=(2, 4), transport=transport,
+        reps=2,
+    )  # fmt: skip
     out = run_cpp_bench(settings, opts)
     assert out["logits_max_abs_diff"] <= 1e-4, out
+    assert out["pinned"] and out["reps"] == 2 and len(out["speedup_2_each"]) == 2, out
     assert out["argmax_same_2"] and out["argmax_same_4"], out
     for n in (2, 4):
         busy = out[f"stage_busy_{n}_s"]
@@ -31,10 +33,12 @@ def test_a_pipeline_of_stage_processes_computes_one_workers_logits(transport: st
     assert out["parallel_2"] > 0, out
 
 
-def test_a_prompt_past_the_context_is_refused() -> None:
+def test_a_prompt_past_the_context_or_no_repetition_is_refused() -> None:
     settings = Settings(engine=EngineSettings(model="dummy", dummy=DummyModel(context=256)))
     with pytest.raises(ValueError, match="exceeds the context"):
         run_cpp_bench(settings, CppBenchOptions(prompt_tokens=512))
+    with pytest.raises(ValueError, match="reps is at least 1"):
+        run_cpp_bench(settings, CppBenchOptions(prompt_tokens=128, reps=0))
 
 
 def test_the_live_bench_groups_the_second_ask_and_gets_the_same_answer() -> None:
