@@ -1,11 +1,12 @@
 """Which CPUs a process runs on: the list syntax of `taskset -c` and Linux's cpusets
 ("0-3,8"), pinning a process to such a list, and spreading workers over a machine's CPUs.
 
-An engine worker pinned to CPUs of its own keeps its caches and is not migrated onto a core
-another worker is computing on: measured here (2-vCPU VM, `mooncake bench cpp`), two
-one-thread pipeline stages finished an 8k-token prefill 4-5 % sooner pinned to one CPU each
-than left to the scheduler (each stage computed 3-7 % longer unpinned); a lone worker was
-as fast either way. Pure but for `pin_process` and `available`.
+An engine worker pinned to CPUs of its own keeps its caches and is not moved onto a core
+another worker is computing on. Measured on a 2-vCPU VM (`mooncake bench cpp`, two
+one-thread pipeline stages, an 8k-token prefill): 2-4 % sooner pinned in alternating pairs,
+the same within noise in medians of three; a lone worker as fast either way; four stages,
+two pinned to each vCPU, ~4 % later than left to the scheduler. Pure but for `pin_process`
+and `available`.
 """
 
 from __future__ import annotations
@@ -57,17 +58,15 @@ def _run(run: Sequence[int]) -> str:
 
 
 def spread(workers: int, threads: int, cpus: Sequence[int]) -> list[tuple[int, ...]]:
-    """CPUs for `workers` workers of `threads` threads each out of `cpus`: consecutive
-    disjoint sets while they last, then round and round again (more threads than CPUs share
-    them evenly rather than piling onto the first)."""
-    if workers < 0 or threads < 1 or not cpus:
-        raise ValueError("spread wants workers >= 0, threads >= 1 and some CPUs")
+    """Consecutive disjoint sets of `threads` of `cpus` for `workers` workers. ValueError
+    where they do not fit: workers sharing pinned CPUs ran slower here than left to the
+    scheduler (see the module docstring)."""
+    if workers < 0 or threads < 1:
+        raise ValueError("spread wants workers >= 0 and threads >= 1")
+    if workers * threads > len(cpus):
+        raise ValueError(f"{workers} workers of {threads} threads do not fit on {len(cpus)} CPUs")
     order = sorted(cpus)
-    out = []
-    for w in range(workers):
-        first = w * threads
-        out.append(tuple(sorted({order[(first + t) % len(order)] for t in range(threads)})))
-    return out
+    return [tuple(order[w * threads : (w + 1) * threads]) for w in range(workers)]
 
 
 def available() -> tuple[int, ...]:

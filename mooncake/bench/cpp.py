@@ -49,19 +49,22 @@ class CppBenchOptions:
     # of `chunk_tokens`; False: every chunk `chunk_tokens` long.
     balanced: bool = True
     # Each worker pinned to CPUs of its own (`engine.cpus`, `cpus.spread` over this
-    # process's CPUs; round and round where there are fewer), as a host running several
-    # workers pins them; the single worker to the first stage's. False: the OS places them.
+    # process's CPUs) where they fit, as a host running several workers pins them; the
+    # single worker to the first stage's. False: the OS places them.
     pin: bool = True
     # Repetitions of the single worker and every group (medians; `speedup_N` the median of
-    # each repetition's ratio).
-    reps: int = 1
+    # each repetition's ratio: one ratio of two single runs swung 1.28-1.70 on a 2-vCPU VM).
+    reps: int = 3
 
 
 def worker_cpus(opts: CppBenchOptions, index: int, workers: int) -> str | None:
-    """`engine.cpus` of worker `index` of `workers` (None: not pinned)."""
-    if not opts.pin:
+    """`engine.cpus` of worker `index` of `workers`: None (not pinned) without `opts.pin`
+    or where the workers' threads outnumber the CPUs (4 stages on 2 CPUs: the OS moving
+    them finished ~4 % sooner here than two pinned to each CPU)."""
+    cpus = available()
+    if not opts.pin or workers * opts.threads > len(cpus):
         return None
-    return format_cpus(spread(workers, opts.threads, available())[index])
+    return format_cpus(spread(workers, opts.threads, cpus)[index])
 
 
 def flops_cost(spec: Any) -> Callable[[int, int], float]:
@@ -315,7 +318,9 @@ def run_cpp_bench(settings: Settings, opts: CppBenchOptions) -> dict[str, Any]:
         "model": settings.engine.model, "prompt_tokens": opts.prompt_tokens,
         "chunk_tokens": opts.chunk_tokens, "balanced_chunks": opts.balanced,
         "chunks": [b - a for a, b in plan_of(spec, opts, 2).chunks],
-        "threads_per_worker": opts.threads, "pinned": opts.pin, "reps": opts.reps,
+        "threads_per_worker": opts.threads, "reps": opts.reps,
+        # the runs whose workers were pinned to CPUs of their own (1: the single worker)
+        "pinned": [n for n in (1, *opts.stages) if worker_cpus(opts, 0, n) is not None],
         "transport": opts.transport, "layers": spec.layers,
         "ttft_1_s": round(statistics.median(singles), 3),
     }  # fmt: skip

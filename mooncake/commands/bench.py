@@ -345,7 +345,7 @@ def bench_cpp(
     reps: Annotated[
         int,
         typer.Option(min=1, help="Repetitions of every run (medians; speedups per repetition)"),
-    ] = 1,
+    ] = 3,
     no_pin: Annotated[
         bool,
         typer.Option(

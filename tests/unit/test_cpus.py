@@ -53,18 +53,16 @@ def test_a_list_is_written_back_in_ranges() -> None:
         assert format_cpus(parse_cpus(text)) == text
 
 
-def test_workers_get_cpus_of_their_own_while_they_last() -> None:
-    assert spread(2, 1, [0, 1]) == [(0,), (1,)]
-    assert spread(2, 2, [4, 5, 6, 7]) == [(4, 5), (6, 7)]
-    # more workers than CPUs: round and round, evenly
-    assert spread(4, 1, [0, 1]) == [(0,), (1,), (0,), (1,)]
-    assert spread(3, 2, [0, 1, 2, 3]) == [(0, 1), (2, 3), (0, 1)]
-    # more threads than CPUs: each worker every CPU once
-    assert spread(1, 3, [0, 1]) == [(0, 1)]
+def test_workers_get_cpus_of_their_own() -> None:
+    assert spread(2, 1, [1, 0]) == [(0,), (1,)]
+    assert spread(2, 2, [4, 5, 6, 7, 8]) == [(4, 5), (6, 7)]
+    assert spread(0, 1, [0]) == []
+    with pytest.raises(ValueError, match="4 workers of 1 threads do not fit on 2 CPUs"):
+        spread(4, 1, [0, 1])
+    with pytest.raises(ValueError, match="do not fit"):
+        spread(1, 3, [0, 1])
     with pytest.raises(ValueError):
         spread(1, 0, [0])
-    with pytest.raises(ValueError):
-        spread(1, 1, [])
 
 
 def test_the_engine_setting_is_checked_and_kept_in_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
