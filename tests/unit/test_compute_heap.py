@@ -81,7 +81,9 @@ def test_the_window_reuses_the_heap_layer_after_layer_and_nests() -> None:
 @pytest.mark.skipif(memory._libc() is None, reason="glibc only")
 def test_a_workers_window_holds_the_heap_across_the_engines_until_its_work_is_done() -> None:
     f = _child("async")
-    assert f["engine"] < FRESH // 10, f
+    # The window's first layers grow the heap once (~11k faults here, 17k once on CI: the
+    # first torch calls of the process are among them); mapped one by one it is ~150k.
+    assert f["engine"] < FRESH // 5, f
     assert f["after_engine"] < FRESH // 10, f  # not trimmed when the engine's window closed
     assert (f["open"], f["closed"]) == (1, 0), f
     assert f["after_work"] > FRESH // 2, f  # closed: back to a mapping each
