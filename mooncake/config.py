@@ -145,7 +145,6 @@ class EngineSettings(BaseModel):
     # bucket on a GPU (engine.graphs); eager: the model's forward, op by op (same math).
     decode: Literal["fused", "eager"] = "fused"
     dummy: DummyModel = DummyModel()
-
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV
     # pool, `Settings.kv_cache_bytes`).
     max_batch: Annotated[int, Field(ge=1, le=1024)] = 32

@@ -64,26 +64,32 @@ ALWAYS_INLINE vf vload(const float* p) {
 
 ALWAYS_INLINE void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* The largest and the sum of a vector's 16 lanes, halving it four times (a tree, not a
- * chain of 15 dependent steps). */
+/* Lane by lane, the larger of a and b (a select). */
 ALWAYS_INLINE vf vmax(vf a, vf b) {
     const vi gt = a > b; /* all ones where a is larger */
     return (vf)((gt & (vi)a) | (~gt & (vi)b));
 }
 
+ALWAYS_INLINE vf vadd(vf a, vf b) { return a + b; }
+
+/* v's 16 lanes combined by `op` in four halvings (a tree, not a chain of 15 dependent
+ * steps): lane i with lane i ^ 8, then ^ 4, ^ 2, ^ 1; every lane then holds the result.
+ * hmax and hsum: the largest and the sum of a vector's lanes. */
+#define HALVE4(v, op)                                                                          \
+    do {                                                                                       \
+        v = op(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7})); \
+        v = op(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11})); \
+        v = op(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13})); \
+        v = op(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14})); \
+    } while (0)
+
 ALWAYS_INLINE float hmax(vf v) {
-    v = vmax(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    HALVE4(v, vmax);
     return v[0];
 }
 
 ALWAYS_INLINE float hsum(vf v) {
-    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    HALVE4(v, vadd);
     return v[0];
 }
 
