@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 from pydantic import BaseModel
 
 from mooncake import metrics
@@ -36,6 +37,10 @@ from mooncake.store.types import Pin, Placement, Reason, Region, Tier
 log = logging.getLogger("mooncake.store.client")
 
 M = TypeVar("M", bound=BaseModel)
+
+
+# How often a request is asked again while no master is subscribed (`StoreClient._call`).
+MASTER_POLL_S = 0.2
 
 
 class StoreError(Exception):
@@ -142,14 +147,23 @@ class StoreClient:
         return known
 
     async def _call(self, op: str, req: p.Wire, reply: type[M]) -> M:
-        try:
-            resp = await self.nc.request(
-                self.subjects.master(op),
-                req.model_dump_json().encode(),
-                timeout=self.config.request_timeout_s,
-            )
-        except Exception as e:
-            raise StoreError(f"store master did not answer {op}: {type(e).__name__}") from e
+        """One request to the master. Where no master is subscribed (it is restarting: NATS
+        says so at once) it is asked again every MASTER_POLL_S within the same
+        `request_timeout_s` a slow master gets, so a master's restart costs its callers a
+        wait, not a failed attempt of their work."""
+        body = req.model_dump_json().encode()
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                resp = await self.nc.request(self.subjects.master(op), body, timeout=left)
+                break
+            except NoRespondersError as e:
+                if left <= MASTER_POLL_S:
+                    raise StoreError(f"store master did not answer {op}: {type(e).__name__}") from e
+                await asyncio.sleep(MASTER_POLL_S)
+            except Exception as e:
+                raise StoreError(f"store master did not answer {op}: {type(e).__name__}") from e
         data = resp.data
         if data.startswith(b'{"error"'):
             raise StoreError(p.ErrorReply.model_validate_json(data).error)

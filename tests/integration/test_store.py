@@ -26,7 +26,7 @@ from mooncake.core.block_index import BlockIndex
 from mooncake.hashing import cache_namespace
 from mooncake.namespace import Namespace
 from mooncake.store import protocol as p
-from mooncake.store.client import ClientConfig, StoreClient
+from mooncake.store.client import MASTER_POLL_S, ClientConfig, StoreClient, StoreError
 from mooncake.store.kv_follow import KvIndexSubscriber
 from mooncake.store.kv_index import IndexState, KvIndexFollower
 from mooncake.store.master import StoreMaster, new_state
@@ -248,6 +248,33 @@ async def test_a_restarted_master_knows_the_nodes_objects_before_their_heartbeat
     await cluster.start_master()
     await wait_for(lambda: client.exists("h0"), 2, "the restarted master to know h0")
     assert node.stats.mounts == 2
+
+
+async def test_a_call_while_the_master_restarts_waits_for_it_within_its_timeout(
+    cluster: Cluster,
+) -> None:
+    """No master subscribed (NATS says so at once): the client asks again until its request
+    timeout, so a master's restart is a wait for its callers, not a failed call; with no
+    master for the whole timeout the call fails as a silent master's does."""
+    await cluster.add_node("n1")
+    client = cluster.client(("tcp",))  # request_timeout_s 2.0
+    assert await client.put("w0", b"x" * 1000) is None
+    await cluster.stop_master()
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    asking = asyncio.create_task(client.exists("w0"))
+    await asyncio.sleep(0.6)
+    assert not asking.done()
+    await cluster.start_master()
+    # answered by the new master (which may not know w0 yet: the node mounts again
+    # moments after it starts), not failed
+    assert await asking in (True, False)
+    assert 0.6 <= loop.time() - began < 2.0
+    await cluster.stop_master()
+    began = loop.time()
+    with pytest.raises(StoreError, match=r"store master did not answer .*NoRespondersError"):
+        await client.exists("w0")
+    assert loop.time() - began >= 2.0 - MASTER_POLL_S
 
 
 async def test_ssd_tier_offload_and_promotion(cluster: Cluster) -> None:
