@@ -15,7 +15,7 @@ import pytest
 from mooncake import memory
 
 LAYERS = r"""
-import json, resource, sys, torch
+import ctypes, ctypes.util, json, resource, sys, torch
 from mooncake import memory
 
 memory.keep_heap_small()  # as a worker runs between prefills
@@ -30,6 +30,23 @@ def layers(n=30):
         c = a[: 1 << 20] + b      # 4 MiB
         del a, b, c
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = Mallinfo2
+
+def mapped_on_its_own(mib):
+    # a block larger than any the process freed before (no free chunk of the heap can hold
+    # it): is it a mapping of its own (glibc's count of mapped bytes grows by it) or heap?
+    before = libc.mallinfo2().hblkhd
+    t = torch.ones(mib << 18)
+    grown = libc.mallinfo2().hblkhd - before
+    del t
+    return grown >= mib << 20
 
 out = {}
 if sys.argv[1] == "window":
@@ -48,9 +65,10 @@ elif sys.argv[1] == "async":
             with memory.compute_heap():  # the engine's own, inside it
                 out["engine"] = layers()
             out["after_engine"] = layers()  # the engine's window closed: the worker's holds
+            out["mapped_open"] = mapped_on_its_own(32)
             out["open"] = memory._computing
         out["closed"] = memory._computing
-        out["after_work"] = layers()  # mapped one by one again
+        out["mapped_closed"] = mapped_on_its_own(256)
 
     asyncio.run(work())
 else:
@@ -86,7 +104,11 @@ def test_a_workers_window_holds_the_heap_across_the_engines_until_its_work_is_do
     assert f["engine"] < FRESH // 5, f
     assert f["after_engine"] < FRESH // 10, f  # not trimmed when the engine's window closed
     assert (f["open"], f["closed"]) == (1, 0), f
-    assert f["after_work"] > FRESH // 2, f  # closed: back to a mapping each
+    # Closed: large blocks are mapped on their own again. (Not asserted by the layers' faults
+    # after the work: what the process allocated during the window may sit above the freed
+    # temporaries, and the hole below it, given back by the trim, serves later temporaries of
+    # its size from the heap: 35k-154k faults here from run to run, in a few classes.)
+    assert (f["mapped_open"], f["mapped_closed"]) == (False, True), f
 
 
 @pytest.mark.skipif(memory._libc() is None, reason="glibc only")
