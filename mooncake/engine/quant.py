@@ -19,7 +19,7 @@ Other GGUF types (K-quants, Q5) are dequantized to float32 by the loader as befo
 Few rows (a decode batch, <= DIRECT_ROWS) go through the native kernel, which reads each
 block once for up to 8 rows. More rows (a prefill) are compute-bound: the matrix is
 dequantized a slice of at most SLICE_FLOATS values at a time into float32 and multiplied by
-torch's GEMM. Without a C compiler every product takes that second path.
+oneDNN's GEMM (`gemm.dense`). Without a C compiler every product takes that second path.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mooncake.engine import native
 from mooncake.engine.errors import EngineError
+from mooncake.engine.gemm import dense
 
 QK = 32  # values per block
 Q4_BLOCK_BYTES = 2 + 2 + QK // 2  # GGUF Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
@@ -106,11 +106,11 @@ class QuantWeight:
         n = self.out_features
         step = max(1, SLICE_FLOATS // self.in_features)
         if step >= n:
-            return F.linear(x2, self.dequantize())
+            return dense(x2, self.dequantize())
         out = x2.new_empty(x2.shape[0], n)
         for a in range(0, n, step):
             b = min(a + step, n)
-            out[:, a:b] = F.linear(x2, self.dequantize(a, b))
+            out[:, a:b] = dense(x2, self.dequantize(a, b))
         return out
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> Tensor:

@@ -32,6 +32,30 @@ def test_small_row_linear_matches_f_linear() -> None:
         assert torch.allclose(linear(x, w), F.linear(x, w), atol=1e-5)
 
 
+def test_many_row_gemm_over_a_plain_weight_matches_f_linear_and_keeps_autograd() -> None:
+    """`gemm.dense` (oneDNN over a weight in plain layout, a prefill's dequantized slice)
+    equals F.linear in float64 within float32 rounding; where gradients are wanted it is
+    F.linear, so they flow; other dtypes take F.linear too."""
+    from mooncake.engine import gemm
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 200, generator=g)
+    for rows in (17, 256, 1030):
+        x = torch.randn(rows, 200, generator=g)
+        want = F.linear(x.double(), w.double())
+        got = gemm.dense(x, w)
+        assert got.shape == (rows, 300) and got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
+        xs, ws = x[:, ::2], w[:, ::2]  # strided inputs
+        assert torch.allclose(gemm.dense(xs, ws).double(), F.linear(xs.double(), ws.double()),
+                              atol=1e-4)  # fmt: skip
+    x = torch.randn(40, 200, generator=g, requires_grad=True)
+    gemm.dense(x, w).sum().backward()
+    assert x.grad is not None and torch.allclose(x.grad, w.sum(0).expand(40, -1), atol=1e-4)
+    xb, wb = x.detach().bfloat16(), w.bfloat16()
+    assert torch.equal(gemm.dense(xb, wb), F.linear(xb, wb))
+
+
 def test_paged_batch_joins_leaves_and_page_crossings_match_alone() -> None:
     engine = Engine(dummy_model(SPEC, std=0.3))
     page = engine.pool.page_tokens
