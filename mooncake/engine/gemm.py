@@ -71,7 +71,7 @@ def linear(x: Tensor, weight: Tensor, packed: PackedWeight | None = None) -> Ten
     """x @ weight.T. On the CPU, PACK_MIN_ROWS or more rows by oneDNN over `packed` (see
     PackedWeight) where given. Otherwise a few rows (a decode step) as (weight @ x.T).T,
     MKL's weight-major GEMM (`F.linear` with 8 rows costs ~1.3x that over a whole model),
-    one row as two (below); more rows by F.linear."""
+    one row as two (below); more rows by `dense`."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu":
         return F.linear(x, weight)
