@@ -47,13 +47,6 @@ class PackedWeight:
         # Copies and pickles of a model leave the packed copy behind (rebuilt on use).
         return {**self.__dict__, "source": None, "versions": (), "packed": None}
 
-    def usable(self, x: Tensor, weight: Tensor) -> bool:
-        return (
-            ONEDNN
-            and x.dtype == weight.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-        )
-
     def __call__(self, weight: Tensor) -> Tensor:
         if self.frozen:
             assert self.packed is not None
@@ -65,6 +58,17 @@ class PackedWeight:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), SMALL_ROWS)
             self.source, self.versions = weight, versions
         return self.packed
+
+
+def onednn_usable(x: Tensor, weight: Tensor) -> bool:
+    """Whether oneDNN's float32 CPU GEMM (`_linear_pointwise`, packed or plain weight) can
+    take x @ weight.T: it has no autograd, so not where gradients are wanted."""
+    return (
+        ONEDNN
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+    )
 
 
 def linear(x: Tensor, weight: Tensor, packed: PackedWeight | None = None) -> Tensor:
@@ -81,7 +85,7 @@ def linear(x: Tensor, weight: Tensor, packed: PackedWeight | None = None) -> Ten
         out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed(weight), None,
                                                  "none", [], "")  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
-    if packed is not None and rows >= PACK_MIN_ROWS and packed.usable(x, weight):
+    if packed is not None and rows >= PACK_MIN_ROWS and onednn_usable(x, weight):
         out = torch.ops.mkldnn._linear_pointwise(
             x2.contiguous(), packed(weight), None, "none", [], ""
         )
@@ -103,12 +107,7 @@ def dense(x2: Tensor, weight: Tensor) -> Tensor:
     2 threads: MKL's GEMM (what F.linear runs) 170-210 GFLOP/s, oneDNN over the same plain
     weight 360-470 (MKL takes its AVX2 kernels on AMD, oneDNN its AVX-512 ones). Same float32
     math, the sums in another order."""
-    if (
-        ONEDNN
-        and x2.device.type == "cpu"
-        and x2.dtype == weight.dtype == torch.float32
-        and not (torch.is_grad_enabled() and (weight.requires_grad or x2.requires_grad))
-    ):
+    if onednn_usable(x2, weight):
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
             x2.contiguous(), weight.contiguous(), None, "none", [], ""
         )
