@@ -159,11 +159,14 @@ class StoreClient:
                 resp = await self.nc.request(self.subjects.master(op), body, timeout=left)
                 break
             except NoRespondersError as e:
-                if left <= MASTER_POLL_S:
-                    raise StoreError(f"store master did not answer {op}: {type(e).__name__}") from e
-                await asyncio.sleep(MASTER_POLL_S)
+                if left > MASTER_POLL_S:
+                    await asyncio.sleep(MASTER_POLL_S)
+                    continue
+                failed: Exception = e
             except Exception as e:
-                raise StoreError(f"store master did not answer {op}: {type(e).__name__}") from e
+                failed = e
+            why = type(failed).__name__
+            raise StoreError(f"store master did not answer {op}: {why}") from failed
         data = resp.data
         if data.startswith(b'{"error"'):
             raise StoreError(p.ErrorReply.model_validate_json(data).error)
