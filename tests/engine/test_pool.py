@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,16 +169,30 @@ def test_native_decode_attention_over_scattered_pages(group: int, threads: int) 
                 assert torch.allclose(out[b], want, atol=1e-5), (lens, b)
 
 
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("group", [1, 3, 5])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_prefill_attention_over_scattered_pages(group: int, threads: int) -> None:
+@pytest.mark.parametrize("avx2", [False, True], ids=["native", "avx2"])
+def test_native_prefill_attention_over_scattered_pages(
+    group: int, threads: int, avx2: bool
+) -> None:
     """The prefill kernel alone, against SDPA with a causal mask over the sequence's KV
     gathered in order: S new tokens at positions start.., each seeing every key up to its
     own; pages anywhere in the pool, NaN in every slot not written (past the sequence's
     end, and pages no sequence holds); q a strided view, as the model hands it over; tiles
-    of 12 rows that do not divide S x group; one token alone (a last-position-only layer)."""
+    of 12 rows that do not divide S x group; one token alone (a last-position-only layer).
+    Built for this machine, and without AVX-512 (the vectors and register tiles of an AVX2
+    machine: the same on one)."""
+    if avx2 and not _has_avx2():
+        pytest.skip("this CPU cannot run an AVX2 build")
     page, dim, kv_heads = 16, 32, 2
-    kernel = native.load_prefill(dim, page)
+    kernel = native.load_prefill(dim, page, avx2=avx2)
     if kernel is None:
         pytest.skip("no C compiler here: the native kernel cannot be built")
     g = torch.Generator().manual_seed(group * 10 + threads)

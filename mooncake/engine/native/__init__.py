@@ -236,15 +236,21 @@ class PagedPrefill(ShapedKernel):
         return out
 
 
-def load_prefill(head_dim: int, page_tokens: int) -> PagedPrefill | None:
+def load_prefill(head_dim: int, page_tokens: int, avx2: bool = False) -> PagedPrefill | None:
     """The prefill kernel for this shape, built on first use (None: none can be built here,
     or the shape is not one it supports: head_dim and page_tokens multiples of 16, and
-    page_tokens dividing 64)."""
-    return _once(("prefill", head_dim, page_tokens), lambda: _load_prefill(head_dim, page_tokens))
+    page_tokens dividing 64). `avx2`: built without AVX-512, as on a machine without it
+    (its 8-float vectors and register tiles), so a test on an AVX-512 machine covers both."""
+    return _once(
+        ("prefill", head_dim, page_tokens, avx2),
+        lambda: _load_prefill(head_dim, page_tokens, avx2),
+    )
 
 
-def _load_prefill(head_dim: int, page_tokens: int) -> PagedPrefill | None:
+def _load_prefill(head_dim: int, page_tokens: int, avx2: bool) -> PagedPrefill | None:
     defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+    if avx2:
+        defines += ("-mno-avx512f",)
     lib = _open(PREFILL_SOURCE, defines, "paged prefill attention", deps=(SOURCE,))
     if lib is None or not lib.mc_paged_prefill_supported():
         return None

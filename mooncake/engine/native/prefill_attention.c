@@ -39,8 +39,12 @@
  * arithmetic: a key slot past the sequence's end may hold anything, even a NaN), and
  * values are summed only up to the tile's last visible key.
  *
- * Written with GCC's vector extensions (16-float vectors), which the compiler maps onto the
- * machine's own (one AVX-512 register, two AVX2 ones): HEAD_DIM and PAGE_TOKENS must be
+ * Written with GCC's vector extensions, W floats a vector: with AVX-512, W = 16 (one
+ * register); otherwise W = 8 (one AVX2 register). The register tiles are sized to the
+ * machine's 32 or 16 vector registers: a block's scores are summed for SK x W keys at a time
+ * (ROWS x SK sums), its values VC vectors of a row's HEAD_DIM at a time (HALF x VC sums).
+ * Sized for AVX-512 alone, an AVX2 build spilled its sums to memory on every step and ran
+ * at a fifteenth of its speed (10.6 GFLOP/s, 2 threads). HEAD_DIM and PAGE_TOKENS must be
  * multiples of 16 and PAGE_TOKENS must divide KB, else the loader takes the torch path.
  */
 #include "paged_attention.c"
@@ -51,10 +55,19 @@
 #define TPJ 8           /* tiles of a job */
 #define ROWS 12         /* query rows of a tile */
 #define HALF (ROWS / 2) /* rows summed at once over V */
-#define DV (D / 16)     /* vectors of a head's row */
+#ifdef __AVX512F__
+#define W 16            /* floats of a vector */
+#define SK 2            /* key vectors a block's scores sum at once */
+#define VC 4            /* vectors of a row's values summed at once */
+#else
+#define W 8
+#define SK 1
+#define VC 1
+#endif
+#define DV (D / W)      /* vectors of a head's row */
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
 
 ALWAYS_INLINE vf vload(const float* p) {
     vf v;
@@ -72,94 +85,109 @@ ALWAYS_INLINE vf vmax(vf a, vf b) {
 
 ALWAYS_INLINE vf vadd(vf a, vf b) { return a + b; }
 
-/* v's 16 lanes combined by `op` in four halvings (a tree, not a chain of 15 dependent
- * steps): lane i with lane i ^ 8, then ^ 4, ^ 2, ^ 1; every lane then holds the result.
- * hmax and hsum: the largest and the sum of a vector's lanes. */
-#define HALVE4(v, op)                                                                          \
+/* v's W lanes combined by `op` in log2(W) halvings (a tree, not a chain of W - 1
+ * dependent steps): lane i with lane i ^ (W / 2), then ^ (W / 4), ... ^ 1; every lane then
+ * holds the result. hmax and hsum: the largest and the sum of a vector's lanes. */
+#if W == 16
+#define HALVE(v, op)                                                                           \
     do {                                                                                       \
         v = op(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7})); \
         v = op(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11})); \
         v = op(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13})); \
         v = op(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14})); \
     } while (0)
+#else
+#define HALVE(v, op)                                                                           \
+    do {                                                                                       \
+        v = op(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3}));                         \
+        v = op(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5}));                         \
+        v = op(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6}));                         \
+    } while (0)
+#endif
 
 ALWAYS_INLINE float hmax(vf v) {
-    HALVE4(v, vmax);
+    HALVE(v, vmax);
     return v[0];
 }
 
 ALWAYS_INLINE float hsum(vf v) {
-    HALVE4(v, vadd);
+    HALVE(v, vadd);
     return v[0];
 }
 
-ALWAYS_INLINE vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+ALWAYS_INLINE vf vsplat(float x) { return x - (vf){0}; }
 
-/* sc[r][t] = qs[r] . K[key kb + t] for the ROWS rows and KB keys of a block, 32 keys at a
- * time (ROWS x 2 vector sums). kh is this KV head's block of page 0, `page` floats apart;
- * the sequence has npg pages. */
+/* sc[r][t] = qs[r] . K[key kb + t] for the ROWS rows and KB keys of a block, SK x W keys
+ * at a time (ROWS x SK vector sums). kh is this KV head's block of page 0, `page` floats
+ * apart; the sequence has npg pages. */
 ALWAYS_INLINE void block_scores(const float (*qs)[D], const float* kh, size_t page,
                                 const int32_t* pages, int npg, int kb, float (*sc)[KB]) {
-    for (int t0 = 0; t0 < KB; t0 += 32) {
-        /* The two 16-key halves: within one page (P >= 32) or in two (P = 16). Keys past
-         * the sequence's last page are scored against that page (and masked): the page
-         * table ends there. */
-        const int a = kb + t0, b = a + 16;
-        const int pa = a / P < npg ? a / P : npg - 1, pb = b / P < npg ? b / P : npg - 1;
-        const float* ka = kh + (size_t)pages[pa] * page + a % P;
-        const float* kb2 = kh + (size_t)pages[pb] * page + b % P;
-        vf acc0[ROWS], acc1[ROWS];
-        #pragma GCC unroll 12
-        for (int r = 0; r < ROWS; r++) { acc0[r] = (vf){0}; acc1[r] = (vf){0}; }
+    for (int t0 = 0; t0 < KB; t0 += SK * W) {
+        /* Each W-key vector lies within one page (W divides P). Keys past the sequence's
+         * last page are scored against that page (and masked): the page table ends there. */
+        const float* ks[SK];
+        #pragma GCC unroll 2
+        for (int j = 0; j < SK; j++) {
+            const int a = kb + t0 + j * W, pa = a / P < npg ? a / P : npg - 1;
+            ks[j] = kh + (size_t)pages[pa] * page + a % P;
+        }
+        vf acc[SK][ROWS];
+        #pragma GCC unroll 2
+        for (int j = 0; j < SK; j++)
+            #pragma GCC unroll 12
+            for (int r = 0; r < ROWS; r++) acc[j][r] = (vf){0};
         for (int d = 0; d < D; d++) {
-            const vf k0 = vload(ka + d * P), k1 = vload(kb2 + d * P);
+            vf k[SK];
+            #pragma GCC unroll 2
+            for (int j = 0; j < SK; j++) k[j] = vload(ks[j] + d * P);
             #pragma GCC unroll 12
             for (int r = 0; r < ROWS; r++) {
                 const vf q = vsplat(qs[r][d]);
-                acc0[r] += q * k0;
-                acc1[r] += q * k1;
+                #pragma GCC unroll 2
+                for (int j = 0; j < SK; j++) acc[j][r] += q * k[j];
             }
         }
-        #pragma GCC unroll 12
-        for (int r = 0; r < ROWS; r++) {
-            vstore(&sc[r][t0], acc0[r]);
-            vstore(&sc[r][t0 + 16], acc1[r]);
-        }
+        #pragma GCC unroll 2
+        for (int j = 0; j < SK; j++)
+            #pragma GCC unroll 12
+            for (int r = 0; r < ROWS; r++) vstore(&sc[r][t0 + j * W], acc[j][r]);
     }
 }
 
 /* o[r] = o[r] * alpha[r] + sum over the first m keys of w[r][t] V[key kb + t], for rows
- * [r0, r0 + HALF). */
+ * [r0, r0 + HALF), VC vectors of their HEAD_DIM at a time (one, on AVX2: measured best). */
 ALWAYS_INLINE void block_values(const float (*w)[KB], const float* alpha, const float* vh,
                                 size_t page, const int32_t* pages, int kb, int m, int r0,
                                 float (*o)[D]) {
-    vf acc[HALF][DV];
-    #pragma GCC unroll 6
-    for (int r = 0; r < HALF; r++) {
-        const vf f = vsplat(alpha[r0 + r]);
-        #pragma GCC unroll 4
-        for (int c = 0; c < DV; c++) acc[r][c] = vload(&o[r0 + r][c * 16]) * f;
-    }
-    for (int t0 = 0; t0 < m; t0 += P) { /* kb is a whole number of pages */
-        const float* base = vh + (size_t)pages[(kb + t0) / P] * page;
-        const int n = m - t0 < P ? m - t0 : P;
-        for (int t = 0; t < n; t++) {
-            const float* v = base + (size_t)t * D;
-            vf vv[DV];
+    for (int c0 = 0; c0 < DV; c0 += VC) {
+        vf acc[HALF][VC];
+        #pragma GCC unroll 6
+        for (int r = 0; r < HALF; r++) {
+            const vf f = vsplat(alpha[r0 + r]);
             #pragma GCC unroll 4
-            for (int c = 0; c < DV; c++) vv[c] = vload(v + c * 16);
-            #pragma GCC unroll 6
-            for (int r = 0; r < HALF; r++) {
-                const vf x = vsplat(w[r0 + r][t0 + t]);
+            for (int c = 0; c < VC; c++) acc[r][c] = vload(&o[r0 + r][(c0 + c) * W]) * f;
+        }
+        for (int t0 = 0; t0 < m; t0 += P) { /* kb is a whole number of pages */
+            const float* base = vh + (size_t)pages[(kb + t0) / P] * page + c0 * W;
+            const int n = m - t0 < P ? m - t0 : P;
+            for (int t = 0; t < n; t++) {
+                const float* v = base + (size_t)t * D;
+                vf vv[VC];
                 #pragma GCC unroll 4
-                for (int c = 0; c < DV; c++) acc[r][c] += x * vv[c];
+                for (int c = 0; c < VC; c++) vv[c] = vload(v + c * W);
+                #pragma GCC unroll 6
+                for (int r = 0; r < HALF; r++) {
+                    const vf x = vsplat(w[r0 + r][t0 + t]);
+                    #pragma GCC unroll 4
+                    for (int c = 0; c < VC; c++) acc[r][c] += x * vv[c];
+                }
             }
         }
+        #pragma GCC unroll 6
+        for (int r = 0; r < HALF; r++)
+            #pragma GCC unroll 4
+            for (int c = 0; c < VC; c++) vstore(&o[r0 + r][(c0 + c) * W], acc[r][c]);
     }
-    #pragma GCC unroll 6
-    for (int r = 0; r < HALF; r++)
-        #pragma GCC unroll 4
-        for (int c = 0; c < DV; c++) vstore(&o[r0 + r][c * 16], acc[r][c]);
 }
 
 /* A tile: ROWS flattened rows of S x group for one KV head (row f is query head
@@ -206,14 +234,14 @@ static void tile_block(tile_state* t, const float* kh, const float* vh, size_t p
         if (masked)
             for (int j = 0; j < KB; j++) s[j] = kb + j <= t->lim[r] ? s[j] : -INFINITY;
         vf big = vsplat(t->m[r]);
-        for (int j = 0; j < KB; j += 16) big = vmax(vload(s + j), big);
+        for (int j = 0; j < KB; j += W) big = vmax(vload(s + j), big);
         const float top = hmax(big);
         /* Key 0, in the first block, is seen by every row: top is finite from there. */
         alpha[r] = exp_le0(t->m[r] - top);
         t->m[r] = top;
         for (int j = 0; j < KB; j++) s[j] = exp_le0(s[j] - top);
         vf part = vload(s);
-        for (int j = 16; j < KB; j += 16) part += vload(s + j);
+        for (int j = W; j < KB; j += W) part += vload(s + j);
         t->l[r] = t->l[r] * alpha[r] + hsum(part);
     }
     /* Keys past the tile's last visible one weigh 0 for every row, and may not be written:
