@@ -248,7 +248,7 @@ def load_prefill(head_dim: int, page_tokens: int, avx2: bool = False) -> PagedPr
 
 
 def _load_prefill(head_dim: int, page_tokens: int, avx2: bool) -> PagedPrefill | None:
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+    defines: tuple[str, ...] = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
     if avx2:
         defines += ("-mno-avx512f",)
     lib = _open(PREFILL_SOURCE, defines, "paged prefill attention", deps=(SOURCE,))
