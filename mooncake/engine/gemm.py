@@ -105,8 +105,8 @@ def dense(x2: Tensor, weight: Tensor) -> Tensor:
     dequantized, engine.quant): by oneDNN on the CPU in float32, else F.linear. Measured on
     this repo's AMD EPYC (Zen 5, AVX-512), SmolLM2's four projections at 256 and 1,024 rows,
     2 threads: MKL's GEMM (what F.linear runs) 170-210 GFLOP/s, oneDNN over the same plain
-    weight 360-470 (MKL takes its AVX2 kernels on AMD, oneDNN its AVX-512 ones). Same float32
-    math, the sums in another order."""
+    weight 360-470 (MKL takes its AVX2 kernels on AMD, oneDNN its AVX-512 ones); on a Zen 3
+    EPYC (AVX2 only) the two run equally fast. Same float32 math, the sums in another order."""
     if onednn_usable(x2, weight):
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
             x2.contiguous(), weight.contiguous(), None, "none", [], ""
