@@ -58,7 +58,9 @@
 #ifdef __AVX512F__
 #define W 16            /* floats of a vector */
 #define SK 2            /* key vectors a block's scores sum at once */
-#define VC 4            /* vectors of a row's values summed at once */
+/* Vectors of a row's values summed at once: 4, or what divides a head's row (a head of 32
+ * is 2 vectors: with 4, the sums ran past its row into the next, NaN where it was last). */
+#define VC ((D / 16) % 4 == 0 ? 4 : (D / 16) % 2 == 0 ? 2 : 1)
 #else
 #define W 8
 #define SK 1
