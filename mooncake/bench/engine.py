@@ -35,6 +35,10 @@ machine lands on both sides of a pair rather than on one side's median.
   repetition, (cold GEMMs + cold attention) / (cached GEMMs + cached attention), median.
   A cached prefill saves 7/8 of the GEMMs but only 77 % of the attention (its 256 rows
   still see up to 2,048 keys), and 256-row GEMMs run slower than 1,024-row ones.
+- `prefill_attention`: how prefill attention runs (`native float32`, `native bfloat16`: the
+  CPU's native kernel, its products in bfloat16 with `--attention bfloat16` where the CPU
+  has AVX512_BF16; `torch`). With bfloat16, `ref_argmax_agreement` and
+  `ref_logits_max_abs_diff` say what the rounding costs against the float32 reference.
 - `decode_path`: how decode steps run (`fused`: each layer in one native call, engine.fused;
   `eager`: the model's forward op by op).
   With `fused`, the same decode op by op in the same run: `eager_decode_tok_s_b1` / `_b8`
@@ -68,7 +72,6 @@ from mooncake.engine.errors import EngineError
 from mooncake.engine.gguf_loader import load_gguf, smollm2_path
 from mooncake.engine.hf_loader import hf_name
 from mooncake.engine.model import ROW_CHUNK, Block, Decoder
-from mooncake.engine.paged import PagedPrefill
 from mooncake.trace import block_tokens
 
 Log = Callable[[str], None]
@@ -448,7 +451,7 @@ def _prefix_ceiling(
         rows = PREFIX_PROMPT - start
         if not kv.reserve(PREFIX_PROMPT):
             raise EngineError("no room in the pool for the prefix bench")
-        backend = PagedPrefill(kv, start, rows)
+        backend = engine.prefill_backend(kv, start, rows)
         q = rand(1, spec.heads, rows, spec.head_dim)
         k, v = (
             rand(1, spec.kv_heads, rows, spec.head_dim),
@@ -475,14 +478,17 @@ def _prefix_ceiling(
     }
 
 
-def _shape_engine(shape: str, dev: torch.device, log: Log) -> tuple[Engine, Any, str]:
+def _shape_engine(
+    shape: str, dev: torch.device, attention: Literal["float32", "bfloat16"], log: Log
+) -> tuple[Engine, Any, str]:
     """Random weights of a model shape (bfloat16 on CUDA, float32 elsewhere) and the
     transformers reference holding the same weights."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     log(f"random {shape} weights ({dtype}) on {dev}, and the transformers reference")
     model = dummy_model(SHAPES[shape], device=dev, dtype=dtype, on_device=dev.type == "cuda")
     ref = _shape_reference(model)
-    return Engine(model, None, block_tokens=PREFIX_BLOCK), ref, f"{shape} (random weights)"
+    engine = Engine(model, None, block_tokens=PREFIX_BLOCK, attention=attention)
+    return engine, ref, f"{shape} (random weights)"
 
 
 def _check_decode_fits(engine: Engine, prompt: int, tokens: int) -> None:
@@ -504,19 +510,22 @@ def run_engine_bench(
     device: str = "cpu",
     weights: Literal["quantized", "float32"] = "quantized",
     shape: str | None = None,
+    attention: Literal["float32", "bfloat16"] = "float32",
     log: Log = lambda _: None,
 ) -> dict[str, object]:
     if threads is not None:
         torch.set_num_threads(threads)
     dev = torch.device(device)
     if shape is not None:
-        engine, ref, name = _shape_engine(shape, dev, log)
+        engine, ref, name = _shape_engine(shape, dev, attention, log)
         _check_decode_fits(engine, decode_prompt, decode_tokens)
     else:
         log("loading SmolLM2 (engine) and the transformers reference from the same GGUF")
         loaded = load_gguf(smollm2_path(), device=dev, weights=weights)
         loaded.model.pack_weights()  # as a serving worker holds them
-        engine = Engine(loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK)
+        engine = Engine(
+            loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK, attention=attention
+        )
         _check_decode_fits(engine, decode_prompt, decode_tokens)
         ref, name = _load_reference(dev), loaded.name
     model = engine.model
@@ -528,6 +537,7 @@ def run_engine_bench(
         "weights": "quantized" if quantized else str(model.dtype).removeprefix("torch."),
         "weights_mb": round(model.weight_bytes() / 2**20, 1),
         "decode_path": engine.decode_path,
+        "prefill_attention": engine.prefill_attention,
         "torch_threads": torch.get_num_threads(),
         "reps": reps,
         **_bench_prefill(engine, ref, prefill_tokens, reps, dev, log),

@@ -184,6 +184,13 @@ def bench_engine(
             "llama-1b | llama-8b (bfloat16 on CUDA, float32 on the CPU)"
         ),
     ] = None,
+    attention: Annotated[
+        str,
+        typer.Option(
+            help="Prefill attention's products: float32, or bfloat16 where the CPU has "
+            "AVX512_BF16 (engine.attention)"
+        ),
+    ] = "float32",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """SmolLM2 prefill/decode speed vs transformers' LlamaForCausalLM (and llama.cpp where
@@ -194,6 +201,8 @@ def bench_engine(
 
     if weights not in ("quantized", "float32"):
         raise typer.BadParameter("quantized or float32", param_hint="--weights")
+    if attention not in ("float32", "bfloat16"):
+        raise typer.BadParameter("float32 or bfloat16", param_hint="--attention")
     if shape is not None and shape not in SHAPES:
         raise typer.BadParameter(" | ".join(SHAPES), param_hint="--shape")
     try:
@@ -206,6 +215,7 @@ def bench_engine(
             device=device,
             weights="quantized" if weights == "quantized" else "float32",
             shape=shape,
+            attention="bfloat16" if attention == "bfloat16" else "float32",
             log=err.print,
         )
     except EngineError as exc:

@@ -22,7 +22,7 @@ from mooncake.engine.fused import FusedDecode
 from mooncake.engine.graphs import GraphDecode
 from mooncake.engine.kv import BlockLayout
 from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks
-from mooncake.engine.paged import PagedPrefill
+from mooncake.engine.paged import PagedPrefill, prefill_kernel
 from mooncake.engine.pool import KVPool, KVPoolExhausted, PagedKV, page_tokens_for
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, request_keys
@@ -59,6 +59,7 @@ class Engine:
         model_id: str = "model",
         kv_budget_bytes: int | None = None,
         decode: Literal["fused", "eager"] = "fused",
+        attention: Literal["float32", "bfloat16"] = "float32",
     ) -> None:
         if block_tokens < 1:
             raise EngineError("block_tokens must be positive")
@@ -86,6 +87,9 @@ class Engine:
         fast = decode == "fused"
         self.fused = FusedDecode.of(model, self.pool) if fast else None
         self.graphs = GraphDecode.of(model, self.pool) if fast else None
+        # "bfloat16": prefill attention's products in bfloat16 where the CPU has them
+        # (EngineSettings.attention).
+        self.bf16_attention = attention == "bfloat16"
 
     @property
     def decode_path(self) -> str:
@@ -94,6 +98,20 @@ class Engine:
         if self.fused is not None:
             return "fused"
         return "graphs" if self.graphs is not None else "eager"
+
+    @property
+    def prefill_attention(self) -> str:
+        """How prefill attention runs: "native bfloat16" or "native float32" (the CPU's
+        prefill kernel, engine.native), or "torch" (the model's attention: other devices
+        and dtypes, or no C compiler)."""
+        kernel = prefill_kernel(self.pool, self.bf16_attention)
+        if kernel is None:
+            return "torch"
+        return "native bfloat16" if kernel.bf16 else "native float32"
+
+    def prefill_backend(self, kv: PagedKV, start: int, new: int) -> PagedPrefill:
+        """The attention backend of a prefill of `new` tokens after `start` held in `kv`."""
+        return PagedPrefill(kv, start, new, bf16=self.bf16_attention)
 
     @property
     def device(self) -> torch.device:
@@ -198,7 +216,7 @@ class Engine:
         new = tokens[start:]
         ids = torch.tensor([new], device=self.device)
         positions = torch.arange(start, len(tokens), device=self.device)[None]
-        backend = PagedPrefill(kv, start, len(new))
+        backend = self.prefill_backend(kv, start, len(new))
         with compute_heap():
             logits = self.model(ids, positions, backend, hooks, last_only=not all_logits)[0]
         kv.length = len(tokens)

@@ -3,7 +3,8 @@
 - `PagedPrefill`: S new tokens of one sequence at positions start..start+S-1. Their k, v are
   written into the sequence's pages. On the CPU in float32 the attention is then the
   native prefill kernel (engine.native), which reads every key, cached or new, in place
-  from its pages. Elsewhere: with nothing cached, the fused causal kernel over the new
+  from its pages (multiplying in bfloat16 where the engine asks for it and the CPU has
+  AVX512_BF16). Elsewhere: with nothing cached, the fused causal kernel over the new
   tokens themselves (no pool read); otherwise the cached positions are read out of their
   pages once per layer and the new tokens attend to them and to themselves (on CUDA
   through the fused causal kernel aligned to the bottom right, no mask; on a CPU without
@@ -36,13 +37,22 @@ MERGED_ON_CPU = True
 NATIVE_PREFILL = True
 
 
+def prefill_kernel(pool: KVPool, bf16: bool = False) -> native.PagedPrefill | None:
+    """The native prefill kernel for `pool`'s shape, where prefill attention takes it (a CPU
+    pool of float32); `bf16`: its bfloat16 products where the CPU has them."""
+    if NATIVE_PREFILL and pool.device.type == "cpu" and pool.dtype == torch.float32:
+        return native.load_prefill(pool.shape.head_dim, pool.page_tokens, bf16=bf16)
+    return None
+
+
 class PagedPrefill:
-    def __init__(self, kv: PagedKV, start: int, new: int) -> None:
+    """`bf16`: the native kernel multiplies in bfloat16 where the CPU has AVX512_BF16 dot
+    products (EngineSettings.attention)."""
+
+    def __init__(self, kv: PagedKV, start: int, new: int, *, bf16: bool = False) -> None:
         self.kv, self.pool, self.start, self.new = kv, kv.pool, start, new
         self.page, self.offset = self.pool.locate(kv.table(), start, start + new)
-        self.kernel = None
-        if NATIVE_PREFILL and self.pool.device.type == "cpu" and self.pool.dtype == torch.float32:
-            self.kernel = native.load_prefill(self.pool.shape.head_dim, self.pool.page_tokens)
+        self.kernel = prefill_kernel(self.pool, bf16)
         if self.kernel is not None:
             self.pages = kv.table()[: pages_for(start + new, self.pool.page_tokens)].to(torch.int32)
 

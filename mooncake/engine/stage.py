@@ -19,7 +19,6 @@ from torch import Tensor
 
 from mooncake.engine.engine import Engine
 from mooncake.engine.errors import EngineError
-from mooncake.engine.paged import PagedPrefill
 from mooncake.engine.pool import KVPoolExhausted, PagedKV
 from mooncake.memory import compute_heap
 
@@ -59,7 +58,7 @@ def run_chunk(
         raise KVPoolExhausted(f"no room for {start + n} positions of KV")
     positions = torch.arange(start, start + n, device=engine.device)[None]
     with compute_heap():
-        x = model.run_layers(x, positions, PagedPrefill(kv, start, n), range(first, end),
+        x = model.run_layers(x, positions, engine.prefill_backend(kv, start, n), range(first, end),
                              last_only=logits)  # fmt: skip
     kv.length = start + n
     return model.logits(x[:, -1])[0] if logits else x

@@ -56,6 +56,7 @@ def build_engine(settings: Settings) -> Engine:
         model_id=settings.model_id,
         kv_budget_bytes=kv_budget_bytes(settings),
         decode=s.decode,
+        attention=s.attention,
     )
     # Prefill and decode workers embed a store node whose DRAM segment they hold too.
     spec = engine.spec
@@ -63,8 +64,9 @@ def build_engine(settings: Settings) -> Engine:
     log.info("%s", memory_statement(engine, settings.store.dram_bytes, inbox))
     kept = "quantized blocks" if model.quantized() else "float32"
     where = f", pinned to CPUs {format_cpus(pinned)}" if pinned else ""
-    log.info("engine: weights as %s, %s decode steps, %d threads%s", kept,
-             engine.decode_path, torch.get_num_threads(), where)  # fmt: skip
+    log.info("engine: weights as %s, %s decode steps, %s prefill attention, %d threads%s",
+             kept, engine.decode_path, engine.prefill_attention, torch.get_num_threads(),
+             where)  # fmt: skip
     return engine
 
 

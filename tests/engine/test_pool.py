@@ -170,25 +170,37 @@ def test_native_decode_attention_over_scattered_pages(group: int, threads: int) 
 
 @pytest.mark.parametrize("group", [1, 3, 5])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("avx2", [False, True], ids=["native", "avx2"])
+@pytest.mark.parametrize(
+    ("avx2", "bf16"), [(False, False), (True, False), (False, True)], ids=["native", "avx2", "bf16"]
+)
 def test_native_prefill_attention_over_scattered_pages(
-    group: int, threads: int, avx2: bool
+    group: int, threads: int, avx2: bool, bf16: bool
 ) -> None:
     """The prefill kernel alone, against SDPA with a causal mask over the sequence's KV
     gathered in order: S new tokens at positions start.., each seeing every key up to its
     own; pages anywhere in the pool, NaN in every slot not written (past the sequence's
     end, and pages no sequence holds); q a strided view, as the model hands it over; tiles
     of 12 rows that do not divide S x group; one token alone (a last-position-only layer).
-    Built for this machine, and without AVX-512 (the vectors and register tiles of an AVX2
-    machine: the same on one)."""
+    Built for this machine, without AVX-512 (the vectors and register tiles of an AVX2
+    machine: the same on one), and multiplying in bfloat16 where the CPU can: against SDPA
+    over the scaled queries, keys and values rounded to bfloat16 as the kernel rounds them,
+    within what rounding its softmax weights to bfloat16 moves an output by (a weight's
+    relative error 2^-9, the weights summing to 1: 2^-9 x the largest |value|)."""
     if avx2 and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU cannot run an AVX2 build")
     page, dim, kv_heads = 16, 32, 2
-    kernel = native.load_prefill(dim, page, avx2=avx2)
+    kernel = native.load_prefill(dim, page, avx2=avx2, bf16=bf16)
     if kernel is None:
         pytest.skip("no C compiler here: the native kernel cannot be built")
+    if kernel.bf16 != bf16:
+        assert bf16 and not kernel.bf16  # a bfloat16 build asked for on a CPU without it
+        pytest.skip("this CPU has no AVX512_BF16 dot products")
     g = torch.Generator().manual_seed(group * 10 + threads)
     pages = 160
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return x.bfloat16().float() if bf16 else x
+
     with torch_threads(threads):
         for start, new in ((0, 1), (0, 37), (5, 3), (100, 200), (1000, 29), (1100, 1)):
             n = start + new
@@ -210,9 +222,15 @@ def test_native_prefill_attention_over_scattered_pages(
             assert got.shape == (new, kv_heads * group, dim)
             mask = torch.ones(new, n, dtype=torch.bool).tril(start)
             want = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True
+                rounded(q * dim**-0.5)[None],
+                rounded(keys)[None],
+                rounded(values)[None],
+                attn_mask=mask,
+                enable_gqa=True,
+                scale=1.0,
             )[0]
-            assert torch.allclose(got.transpose(0, 1), want, atol=1e-5), (start, new)
+            atol = 2**-9 * values.abs().max().item() + 1e-5 if bf16 else 1e-5
+            assert torch.allclose(got.transpose(0, 1), want, atol=atol), (start, new)
 
 
 def test_preempted_sequences_resume_to_the_tokens_they_get_alone() -> None:

@@ -205,8 +205,13 @@ def _load(head_dim: int, page_tokens: int) -> PagedDecode | None:
     return PagedDecode(head_dim, page_tokens, fn)
 
 
+@dataclass(frozen=True)
 class PagedPrefill(ShapedKernel):
-    """prefill_attention.c's prefill attention."""
+    """prefill_attention.c's prefill attention. `bf16`: this build multiplies in bfloat16
+    (asked for, and the CPU has AVX512_BF16 dot products): queries, keys, values and
+    softmax weights rounded to bfloat16, every sum in float32."""
+
+    bf16: bool = False
 
     def __call__(
         self,
@@ -236,19 +241,24 @@ class PagedPrefill(ShapedKernel):
         return out
 
 
-def load_prefill(head_dim: int, page_tokens: int, avx2: bool = False) -> PagedPrefill | None:
+def load_prefill(
+    head_dim: int, page_tokens: int, *, bf16: bool = False, avx2: bool = False
+) -> PagedPrefill | None:
     """The prefill kernel for this shape, built on first use (None: none can be built here,
     or the shape is not one it supports: head_dim and page_tokens multiples of 16, and
-    page_tokens dividing 64). `avx2`: built without AVX-512, as on a machine without it
+    page_tokens dividing 64). `bf16`: multiplying in bfloat16 where the CPU has AVX512_BF16
+    (elsewhere the float32 build). `avx2`: built without AVX-512, as on a machine without it
     (its 8-float vectors and register tiles), so a test on an AVX-512 machine covers both."""
     return _once(
-        ("prefill", head_dim, page_tokens, avx2),
-        lambda: _load_prefill(head_dim, page_tokens, avx2),
+        ("prefill", head_dim, page_tokens, bf16, avx2),
+        lambda: _load_prefill(head_dim, page_tokens, bf16, avx2),
     )
 
 
-def _load_prefill(head_dim: int, page_tokens: int, avx2: bool) -> PagedPrefill | None:
+def _load_prefill(head_dim: int, page_tokens: int, bf16: bool, avx2: bool) -> PagedPrefill | None:
     defines: tuple[str, ...] = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+    if bf16:
+        defines += ("-DPREFILL_BF16",)
     if avx2:
         defines += ("-mno-avx512f",)
     lib = _open(PREFILL_SOURCE, defines, "paged prefill attention", deps=(SOURCE,))
@@ -258,7 +268,7 @@ def _load_prefill(head_dim: int, page_tokens: int, avx2: bool) -> PagedPrefill |
     ptr, i32, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     fn.argtypes = [ptr, long, long, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32
-    return PagedPrefill(head_dim, page_tokens, fn)
+    return PagedPrefill(head_dim, page_tokens, fn, bool(lib.mc_paged_prefill_bf16()))
 
 
 @dataclass(frozen=True)

@@ -45,13 +45,30 @@
  * (ROWS x SK sums), its values VC vectors of a row's HEAD_DIM at a time (HALF x VC sums).
  * Sized for AVX-512 alone, an AVX2 build spilled its sums to memory on every step and ran
  * at a fifteenth of its speed (10.6 GFLOP/s, 2 threads). HEAD_DIM and PAGE_TOKENS must be
- * multiples of 16 and PAGE_TOKENS must divide KB, else the loader takes the torch path.
+ * multiples of 16 and PAGE_TOKENS must divide 64, else the loader takes the torch path.
+ *
+ * BF16 (built with PREFILL_BF16 where the CPU has AVX512_BF16 and HEAD_DIM is a multiple of
+ * 32; EngineSettings.attention = "bfloat16"): the scores and the weighted values are
+ * bfloat16 dot products, each multiplying 32 pairs into 16 float32 sums where an FMA
+ * multiplies 16, so twice the products an instruction. A job converts each block of keys
+ * and values once for all of its tiles (block_convert), into the pairs the products take:
+ * two HEAD_DIM indices of a key, two keys of a value; a tile rounds its scaled queries
+ * once, and a block's softmax weights after the exponentials. Maxima, sums of weights and
+ * the running output stay float32. On a 2-vCPU Zen 4 EPYC: 256 rows of SmolLM2's heads over
+ * 2,048 keys in 4.0 ms, 6.4 in float32 (~285 and ~177 GFLOP/s); blocks of 128 keys ran ~4 %
+ * faster than 64 there.
  */
 #include "paged_attention.c"
 
 #if D % 16 == 0 && P % 16 == 0 && 64 % P == 0
 #define PREFILL_SUPPORTED 1
+#if defined(__AVX512BF16__) && defined(PREFILL_BF16) && D % 32 == 0
+#define BF16 1          /* scores and values by bfloat16 dot products (see the top) */
+#define KB 128          /* keys of a block (measured: ~4 % faster than 64 with BF16) */
+#include <immintrin.h>
+#else
 #define KB 64           /* keys of a block */
+#endif
 #define TPJ 8           /* tiles of a job */
 #define ROWS 12         /* query rows of a tile */
 #define HALF (ROWS / 2) /* rows summed at once over V */
@@ -192,12 +209,120 @@ ALWAYS_INLINE void block_values(const float (*w)[KB], const float* alpha, const 
     }
 }
 
+#ifdef BF16
+/* 32 floats as 32 bfloat16s in order (rounded to nearest even): lane i of the result, as
+ * 32 bits, is the pair (x[2i], x[2i + 1]), what a bfloat16 dot product multiplies. */
+ALWAYS_INLINE __m512i bf16_seq(const float* x) {
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+}
+
+/* Rows a and b, 16 floats each, as 16 pairs: lane i is (a[i], b[i]). */
+ALWAYS_INLINE __m512i bf16_pairs(__m512 a, __m512 b) {
+    const __m512i spread = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                            25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                            18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(spread, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* A block's keys and values for one KV head in bfloat16, laid out for the dot products:
+ * k[i][t] pairs dimensions 2i and 2i + 1 of key kb + t, v[j][c] pairs keys kb + 2j and
+ * kb + 2j + 1 at dimension c. Values past key `last` are zeros (their slots may hold
+ * anything, and a weight of 0 times a NaN is a NaN). Made once a block for all of a job's
+ * tiles. */
+typedef struct {
+    uint32_t k[D / 2][KB] __attribute__((aligned(64)));
+    uint32_t v[KB / 2][D] __attribute__((aligned(64)));
+} block_bf16;
+
+static void block_convert(block_bf16* b, const float* kh, const float* vh, size_t page,
+                          const int32_t* pages, int npg, int kb, int last) {
+    for (int t0 = 0; t0 < KB; t0 += 16) {
+        const int a = kb + t0, pa = a / P < npg ? a / P : npg - 1; /* as block_scores */
+        const float* k = kh + (size_t)pages[pa] * page + a % P;
+        for (int i = 0; i < D / 2; i++)
+            _mm512_store_si512(&b->k[i][t0], bf16_pairs(_mm512_loadu_ps(k + 2 * i * P),
+                                                         _mm512_loadu_ps(k + (2 * i + 1) * P)));
+    }
+    for (int t = 0; t < KB; t += 2) {
+        const int a = kb + t;
+        const float* v = a <= last ? vh + (size_t)pages[a / P] * page + (size_t)(a % P) * D : 0;
+        for (int c = 0; c < D; c += 16) {
+            const __m512 lo = a <= last ? _mm512_loadu_ps(v + c) : _mm512_setzero_ps();
+            const __m512 hi = a + 1 <= last ? _mm512_loadu_ps(v + D + c) : _mm512_setzero_ps();
+            _mm512_store_si512(&b->v[t / 2][c], bf16_pairs(lo, hi));
+        }
+    }
+}
+
+/* block_scores over a converted block: qb[r][i] pairs a row's scaled query at dimensions
+ * 2i and 2i + 1; one dot product multiplies 32 pairs, twice an FMA's 16. */
+ALWAYS_INLINE void block_scores_bf16(const uint32_t (*qb)[D / 2], const block_bf16* b,
+                                     float (*sc)[KB]) {
+    for (int t0 = 0; t0 < KB; t0 += SK * W) {
+        __m512 acc[SK][ROWS];
+        #pragma GCC unroll 2
+        for (int j = 0; j < SK; j++)
+            #pragma GCC unroll 12
+            for (int r = 0; r < ROWS; r++) acc[j][r] = _mm512_setzero_ps();
+        for (int i = 0; i < D / 2; i++) {
+            __m512bh k[SK];
+            #pragma GCC unroll 2
+            for (int j = 0; j < SK; j++) k[j] = (__m512bh)_mm512_load_si512(&b->k[i][t0 + j * W]);
+            #pragma GCC unroll 12
+            for (int r = 0; r < ROWS; r++) {
+                const __m512bh q = (__m512bh)_mm512_set1_epi32((int)qb[r][i]);
+                #pragma GCC unroll 2
+                for (int j = 0; j < SK; j++) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], q, k[j]);
+            }
+        }
+        #pragma GCC unroll 2
+        for (int j = 0; j < SK; j++)
+            #pragma GCC unroll 12
+            for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(&sc[r][t0 + j * W], acc[j][r]);
+    }
+}
+
+/* block_values over a converted block: wb[r][j] pairs a row's weights of keys 2j and
+ * 2j + 1; the first `pairs` pairs are summed. */
+ALWAYS_INLINE void block_values_bf16(const uint32_t (*wb)[KB / 2], const float* alpha,
+                                     const block_bf16* b, int pairs, int r0, float (*o)[D]) {
+    for (int c0 = 0; c0 < DV; c0 += VC) {
+        __m512 acc[HALF][VC];
+        #pragma GCC unroll 6
+        for (int r = 0; r < HALF; r++) {
+            const __m512 f = _mm512_set1_ps(alpha[r0 + r]);
+            #pragma GCC unroll 4
+            for (int c = 0; c < VC; c++)
+                acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(&o[r0 + r][(c0 + c) * W]), f);
+        }
+        for (int j = 0; j < pairs; j++) {
+            __m512bh vv[VC];
+            #pragma GCC unroll 4
+            for (int c = 0; c < VC; c++) vv[c] = (__m512bh)_mm512_load_si512(&b->v[j][(c0 + c) * W]);
+            #pragma GCC unroll 6
+            for (int r = 0; r < HALF; r++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)wb[r0 + r][j]);
+                #pragma GCC unroll 4
+                for (int c = 0; c < VC; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, vv[c]);
+            }
+        }
+        #pragma GCC unroll 6
+        for (int r = 0; r < HALF; r++)
+            #pragma GCC unroll 4
+            for (int c = 0; c < VC; c++) _mm512_storeu_ps(&o[r0 + r][(c0 + c) * W], acc[r][c]);
+    }
+}
+#endif
+
 /* A tile: ROWS flattened rows of S x group for one KV head (row f is query head
  * h * group + f % group of new token f / group), their scaled queries, and their running
  * softmax: maxima m, sums of weights l, and the weighted sums of V, o. */
 typedef struct {
     float qs[ROWS][D] __attribute__((aligned(64)));
     float o[ROWS][D] __attribute__((aligned(64)));
+#ifdef BF16
+    uint32_t qb[ROWS][D / 2] __attribute__((aligned(64))); /* qs in bfloat16 pairs */
+#endif
     float m[ROWS], l[ROWS];
     int lim[ROWS]; /* the last key each row sees: its own position */
     int lo, hi;    /* the fewest and the most keys any row sees, less one */
@@ -221,15 +346,25 @@ static void tile_init(tile_state* t, const float* q, long q_row, long q_head, in
         t->lim[r] = start + i;
         t->lo = t->lim[r] < t->lo ? t->lim[r] : t->lo;
         t->hi = t->lim[r] > t->hi ? t->lim[r] : t->hi;
+#ifdef BF16
+        for (int d = 0; d < D; d += 32) _mm512_store_si512(&t->qb[r][d / 2], bf16_seq(&t->qs[r][d]));
+#endif
     }
 }
 
-/* The keys [kb, kb + KB) into a tile's running softmax (kb <= t->hi). */
+/* The keys [kb, kb + KB) into a tile's running softmax (kb <= t->hi); with BF16, `b` is
+ * the block converted (block_convert). */
 static void tile_block(tile_state* t, const float* kh, const float* vh, size_t page,
-                       const int32_t* pages, int npg, int kb) {
+                       const int32_t* pages, int npg, int kb, const void* b) {
     float sc[ROWS][KB] __attribute__((aligned(64)));
     float alpha[ROWS];
+#ifdef BF16
+    (void)kh; (void)vh; (void)page; (void)pages; (void)npg;
+    block_scores_bf16((const uint32_t (*)[D / 2])t->qb, b, sc);
+#else
+    (void)b;
     block_scores((const float (*)[D])t->qs, kh, page, pages, npg, kb, sc);
+#endif
     const int masked = kb + KB - 1 > t->lo; /* some row may not see every key of it */
     for (int r = 0; r < ROWS; r++) {
         float* s = sc[r];
@@ -249,8 +384,17 @@ static void tile_block(tile_state* t, const float* kh, const float* vh, size_t p
     /* Keys past the tile's last visible one weigh 0 for every row, and may not be written:
      * not summed. */
     const int keys = t->hi - kb + 1 < KB ? t->hi - kb + 1 : KB;
+#ifdef BF16
+    /* The weights in bfloat16 pairs; a pair's second key past the last is 0 in both. */
+    uint32_t wb[ROWS][KB / 2] __attribute__((aligned(64)));
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < KB; j += 32) _mm512_store_si512(&wb[r][j / 2], bf16_seq(&sc[r][j]));
+    for (int r0 = 0; r0 < ROWS; r0 += HALF)
+        block_values_bf16((const uint32_t (*)[KB / 2])wb, alpha, b, (keys + 1) / 2, r0, t->o);
+#else
     for (int r0 = 0; r0 < ROWS; r0 += HALF)
         block_values((const float (*)[KB])sc, alpha, vh, page, pages, kb, keys, r0, t->o);
+#endif
 }
 
 static void tile_finish(const tile_state* t, float* out, int S, int heads, int group, int h,
@@ -279,13 +423,31 @@ static void prefill_job(const float* q, long q_row, long q_head, const float* kp
         tile_init(&ts[i], q, q_row, q_head, S, start, group, scale, h, (tile0 + i) * ROWS);
         hi = ts[i].hi > hi ? ts[i].hi : hi;
     }
-    for (int kb = 0; kb <= hi; kb += KB)
+#ifdef BF16
+    block_bf16 blk;
+#else
+    char blk; /* unused */
+#endif
+    for (int kb = 0; kb <= hi; kb += KB) {
+#ifdef BF16
+        block_convert(&blk, kh, vh, page, pages, npg, kb, hi);
+#endif
         for (int i = 0; i < n; i++)
-            if (kb <= ts[i].hi) tile_block(&ts[i], kh, vh, page, pages, npg, kb);
+            if (kb <= ts[i].hi) tile_block(&ts[i], kh, vh, page, pages, npg, kb, &blk);
+    }
     for (int i = 0; i < n; i++)
         tile_finish(&ts[i], out, S, kv_heads * group, group, h, (tile0 + i) * ROWS);
 }
 #endif
+
+/* Whether this build multiplies in bfloat16 (BF16). */
+int mc_paged_prefill_bf16(void) {
+#ifdef BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Whether this build has the kernel (HEAD_DIM and PAGE_TOKENS it supports). */
 int mc_paged_prefill_supported(void) {
