@@ -195,7 +195,8 @@ def _bench_eager(
     """The engine's decode step (fused on the CPU, CUDA graphs on a GPU) against the model's
     forward op by op (same weights)."""
     dev, path = engine.device, engine.decode_path
-    eager = Engine(engine.model, engine.tokenizer, block_tokens=PREFIX_BLOCK, decode="eager")
+    eager = Engine(engine.model, engine.tokenizer, block_tokens=PREFIX_BLOCK, decode="eager",
+                   attention=engine.attention)  # fmt: skip
     log(f"decode of {tokens} tokens, batch 1 and 8, {path} and eager steps")
     p1 = _prompt(prompt_len, engine.spec.vocab_size, 2)
     _, t_eager, ratio = _paired(
@@ -220,7 +221,9 @@ def _bench_float32(
     dev = torch.device("cpu")
     loaded = load_gguf(smollm2_path(), weights="float32")
     loaded.model.pack_weights()
-    ref = Engine(loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK)
+    ref = Engine(  # the same attention: the weights alone differ
+        loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK, attention=engine.attention
+    )
     prompt = _prompt(512, engine.spec.vocab_size, 1)
     diff = (engine.prefill(prompt, all_logits=True).logits
             - ref.prefill(prompt, all_logits=True).logits).abs().max().item()  # fmt: skip

@@ -216,7 +216,7 @@ def bench_engine(
             weights="quantized" if weights == "quantized" else "float32",
             shape=shape,
             attention="bfloat16" if attention == "bfloat16" else "float32",
-            log=err.print,
+            log=lambda m: err.print(m, markup=False),  # "[anchors]" is no markup tag
         )
     except EngineError as exc:
         err.print(f"[red]bench engine:[/red] {exc}", soft_wrap=True)

@@ -89,7 +89,7 @@ class Engine:
         self.graphs = GraphDecode.of(model, self.pool) if fast else None
         # "bfloat16": prefill attention's products in bfloat16 where the CPU has them
         # (EngineSettings.attention).
-        self.bf16_attention = attention == "bfloat16"
+        self.attention = attention
 
     @property
     def decode_path(self) -> str:
@@ -104,14 +104,14 @@ class Engine:
         """How prefill attention runs: "native bfloat16" or "native float32" (the CPU's
         prefill kernel, engine.native), or "torch" (the model's attention: other devices
         and dtypes, or no C compiler)."""
-        kernel = prefill_kernel(self.pool, self.bf16_attention)
+        kernel = prefill_kernel(self.pool, self.attention == "bfloat16")
         if kernel is None:
             return "torch"
         return "native bfloat16" if kernel.bf16 else "native float32"
 
     def prefill_backend(self, kv: PagedKV, start: int, new: int) -> PagedPrefill:
         """The attention backend of a prefill of `new` tokens after `start` held in `kv`."""
-        return PagedPrefill(kv, start, new, bf16=self.bf16_attention)
+        return PagedPrefill(kv, start, new, bf16=self.attention == "bfloat16")
 
     @property
     def device(self) -> torch.device:

@@ -70,3 +70,9 @@ def test_bench_engine_refuses_decode_runs_longer_than_the_context() -> None:
     got = CliRunner().invoke(app, ["bench", "engine", "--decode-prompt", "8150"])
     assert got.exit_code == 2, got.output
     assert "need 8270 positions; the model has 8192" in got.output
+
+
+def test_bench_engine_refuses_an_attention_it_does_not_have() -> None:
+    got = CliRunner().invoke(app, ["bench", "engine", "--attention", "float16"])
+    assert got.exit_code == 2, got.output
+    assert "float32 or bfloat16" in got.output
