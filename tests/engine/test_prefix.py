@@ -172,3 +172,25 @@ def test_block_bytes_reproduce_the_continuation(
     k = engine.usable_cached_blocks(len(tokens), len(loaded))
     resumed = engine.prefill(tokens, prefix=engine.prefix_from_blocks(loaded[:k]))
     assert continue_greedy(engine, resumed) == continue_greedy(engine, engine.prefill(tokens))
+
+
+def test_a_workers_attention_setting_reaches_its_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOONCAKE_ENGINE__ATTENTION goes through the settings to the engine a worker builds
+    (float32 by default); a precision it does not have is refused, naming the choices."""
+    from pydantic import ValidationError
+
+    from mooncake.config import load_settings
+    from mooncake.serving.models import build_engine
+
+    small = {"MOONCAKE_ENGINE__MODEL": "dummy", "MOONCAKE_ENGINE__DUMMY__LAYERS": "1",
+             "MOONCAKE_ENGINE__DUMMY__CONTEXT": "64"}  # fmt: skip
+    for key, value in small.items():
+        monkeypatch.setenv(key, value)
+    assert build_engine(load_settings()).attention == "float32"
+    monkeypatch.setenv("MOONCAKE_ENGINE__ATTENTION", "bfloat16")
+    engine = build_engine(load_settings())
+    assert engine.attention == "bfloat16"
+    assert engine.prefill(list(range(3, 40))).logits.isfinite().all()
+    monkeypatch.setenv("MOONCAKE_ENGINE__ATTENTION", "float16")
+    with pytest.raises(ValidationError, match="'float32' or 'bfloat16'"):
+        load_settings()
