@@ -145,9 +145,10 @@ class EngineSettings(BaseModel):
     # bucket on a GPU (engine.graphs); eager: the model's forward, op by op (same math).
     decode: Literal["fused", "eager"] = "fused"
     # Prefill attention's products (the CPU's native kernel): float32, or bfloat16 where the
-    # CPU has AVX512_BF16 dot products (float32 elsewhere): ~1.5x faster attention (a long
-    # prompt's largest part), queries, keys, values and softmax weights rounded to
-    # bfloat16 (sums in float32), as GPU servers run bf16 models and llama.cpp its f16 KV.
+    # CPU has AVX512_BF16 dot products (float32 elsewhere, with a warning): ~1.5x faster
+    # attention (the part of a prefill that grows with the prompt's square), queries, keys,
+    # values and softmax weights rounded to bfloat16 (sums in float32), as GPU servers run
+    # bf16 models and llama.cpp its f16 KV.
     # SmolLM2: logits within ~0.1-0.6 of float32's, the same argmax at ~99 % of the
     # positions of a random 512-token prompt (BENCHMARKS.md).
     attention: Literal["float32", "bfloat16"] = "float32"

@@ -67,6 +67,10 @@ def build_engine(settings: Settings) -> Engine:
     log.info("engine: weights as %s, %s decode steps, %s prefill attention, %d threads%s",
              kept, engine.decode_path, engine.prefill_attention, torch.get_num_threads(),
              where)  # fmt: skip
+    if s.attention == "bfloat16" and engine.prefill_attention != "native bfloat16":
+        log.warning("engine.attention = bfloat16, but this machine has no bfloat16 prefill "
+                    "kernel for this model (AVX512_BF16, a head of a multiple of 32 floats, "
+                    "a CPU): float32")  # fmt: skip
     return engine
 
 
