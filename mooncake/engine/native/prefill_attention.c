@@ -424,16 +424,17 @@ static void prefill_job(const float* q, long q_row, long q_head, const float* kp
         hi = ts[i].hi > hi ? ts[i].hi : hi;
     }
 #ifdef BF16
-    block_bf16 blk;
+    block_bf16 blk; /* each block converted once, for all of the job's tiles */
+    const void* conv = &blk;
 #else
-    char blk; /* unused */
+    const void* conv = NULL;
 #endif
     for (int kb = 0; kb <= hi; kb += KB) {
 #ifdef BF16
         block_convert(&blk, kh, vh, page, pages, npg, kb, hi);
 #endif
         for (int i = 0; i < n; i++)
-            if (kb <= ts[i].hi) tile_block(&ts[i], kh, vh, page, pages, npg, kb, &blk);
+            if (kb <= ts[i].hi) tile_block(&ts[i], kh, vh, page, pages, npg, kb, conv);
     }
     for (int i = 0; i < n; i++)
         tile_finish(&ts[i], out, S, kv_heads * group, group, h, (tile0 + i) * ROWS);
