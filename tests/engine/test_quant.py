@@ -82,6 +82,40 @@ def test_many_rows_are_sliced_and_equal(monkeypatch: pytest.MonkeyPatch) -> None
     assert torch.allclose(w(x), want, atol=1e-4)
 
 
+def test_prefill_products_share_one_buffer_and_stay_right() -> None:
+    """Slices of different weights, one after the other and from two threads at once, go
+    through the one dequantization buffer (or a new tensor while another thread holds it):
+    every product is its own weight's."""
+    import threading
+
+    import mooncake.engine.quant as quant
+    from mooncake.engine.quant import DIRECT_ROWS
+
+    weights = [_blocks(t, 40 + 7 * i, 64 * (1 + i % 3), seed=20 + i) for i, t in
+               enumerate(TYPES * 3)]  # fmt: skip
+    xs = [torch.randn(DIRECT_ROWS + 9, w.in_features) for w, _ in weights]
+    wants = [x @ torch.from_numpy(d).t() for x, (_, d) in zip(xs, weights, strict=True)]
+    seen: list[int] = []
+
+    def run(order: list[int]) -> None:
+        for i in order:
+            got = weights[i][0](xs[i])
+            assert torch.allclose(got, wants[i], atol=1e-4), i
+            seen.append(i)
+
+    run(list(range(len(weights))))
+    assert quant.SCRATCH._buf is not None  # taken by the sliced path
+    kept = quant.SCRATCH._buf.data_ptr()
+    order = [i % len(weights) for i in range(60)]
+    threads = [threading.Thread(target=run, args=(order[k::2],)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == len(weights) + 60  # no thread died on a wrong product
+    assert quant.SCRATCH._buf.data_ptr() == kept  # kept, not made again
+
+
 def test_without_a_compiler_the_torch_path_gives_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     for type_name in TYPES:
         w, dense = _blocks(type_name, 20, 64, seed=4)
