@@ -169,11 +169,11 @@ class Engine:
         per = self.block_tokens // self.pool.page_tokens
         table = kv.table()
         for j, b in enumerate(blocks):  # one block at a time: no second copy of the prompt
-            for layer in range(s.layers):
-                if b.shape[3] == self.block_tokens:
-                    self.pool.write_blocks(layer, table[j * per : (j + 1) * per], b[layer][None])
-                else:  # the partial tail
-                    kv.load_layer(layer, j * self.block_tokens, b[layer])
+            if b.shape[3] == self.block_tokens:
+                self.pool.write_layers(table[j * per : (j + 1) * per], b[:, None])
+                continue
+            for layer in range(s.layers):  # the partial tail
+                kv.load_layer(layer, j * self.block_tokens, b[layer])
         kv.length = tokens
         return kv
 

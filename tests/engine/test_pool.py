@@ -54,6 +54,37 @@ def test_blocks_round_trip_through_pages() -> None:
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_blocks_written_by_layer_or_all_at_once_land_in_their_pages(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_blocks (one layer, several blocks: a store load) and write_layers (every layer)
+    put each block's K and V where read_blocks finds them, through the native copy and
+    through torch's; pages outside the pool are refused, nothing written."""
+    e = engine_with()
+    if path == "torch":
+        monkeypatch.setattr(type(e.pool), "_block_writer", lambda self: None)
+    elif e.pool._block_writer() is None:
+        pytest.skip("no C compiler: no native block copy")
+    g = torch.Generator().manual_seed(5)
+    blocks = torch.randn(SPEC.layers, 3, 2, 2, BLOCK, 16, generator=g)
+    per = BLOCK // e.pool.page_tokens
+    pages = torch.randperm(e.pool.pages.total, generator=g)[: 3 * per]
+    e.pool.write_layers(pages, blocks)
+    for layer in range(SPEC.layers):
+        got = e.pool.read_blocks(layer, pages, BLOCK)
+        assert torch.equal(got, blocks[layer]), layer
+    again = torch.randn(3, 2, 2, BLOCK, 16, generator=g)
+    e.pool.write_blocks(1, pages.flip(0), again[:, :, :, :, :])  # other pages, one layer
+    assert torch.equal(e.pool.read_blocks(1, pages.flip(0), BLOCK), again)
+    assert torch.equal(e.pool.read_blocks(0, pages, BLOCK), blocks[0])  # layer 0 untouched
+    before = e.pool.data.clone()
+    for bad in (pages + e.pool.pages.total, pages[:-1], -1 - pages):
+        with pytest.raises(EngineError, match="pages"):
+            e.pool.write_layers(bad, blocks * 2)
+    assert torch.equal(e.pool.data, before)
+
+
 def test_the_budget_is_whole_pages_and_must_hold_a_context() -> None:
     e = engine_with(budget_pages=40)
     assert e.pool.pages.total == 40 and e.pool.capacity_tokens == 40 * 16

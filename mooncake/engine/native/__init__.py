@@ -188,6 +188,48 @@ class PagedDecode(ShapedKernel):
             raise MemoryError("paged attention: no memory for the split sequences' partial sums")
 
 
+class BlockWriter(ShapedKernel):
+    """paged_attention.c's copy of whole store blocks into pool pages (KVPool.write_blocks)."""
+
+    def __call__(self, blocks: torch.Tensor, pages: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:  # fmt: skip
+        """blocks [layers, n, 2, kv_heads, T, D] float32, each block contiguous (any strides
+        between blocks and layers); pages int32 [n * T / P], contiguous, the same for every
+        layer; k [layers, pages, kv_heads, D, P], v [layers, pages, kv_heads, P, D], views
+        into one pool tensor with the same stride between layers."""
+        layers, n, _, kv_heads, tokens, dim = blocks.shape
+        # The C copy trusts its arguments: the caller (KVPool) has checked the pages are the
+        # pool's and as many as the blocks cover; shapes that do not fit are refused here.
+        if (dim, kv_heads, tokens % self.page_tokens) != (self.head_dim, k.shape[2], 0) or (
+            layers != k.shape[0] or k.stride(0) != v.stride(0)
+        ):
+            raise RuntimeError(f"block writer: blocks {tuple(blocks.shape)} do not fit the pool")
+        if self.fn(blocks.data_ptr(), blocks.stride(0), blocks.stride(1), layers, n, tokens,
+                   pages.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), kv_heads,
+                   torch.get_num_threads()):  # fmt: skip
+            raise RuntimeError("block writer: a block is not a whole number of pages")
+
+
+def load_block_writer(head_dim: int, page_tokens: int) -> BlockWriter | None:
+    """The block writer for this shape, built on first use (None: none can be built here)."""
+    return _once(
+        ("block writer", head_dim, page_tokens), lambda: _load_writer(head_dim, page_tokens)
+    )
+
+
+def _load_writer(head_dim: int, page_tokens: int) -> BlockWriter | None:
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+    lib = _open(SOURCE, defines, "paged decode attention")  # the decode kernel's library
+    if lib is None:
+        return None
+    fn = lib.mc_write_blocks_f32
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lng = ctypes.c_long
+    fn.argtypes = [ptr, lng, lng, i32, i32, i32, ptr, ptr, ptr, lng, i32, i32]
+    fn.restype = i32
+    return BlockWriter(head_dim, page_tokens, fn)
+
+
 def load(head_dim: int, page_tokens: int) -> PagedDecode | None:
     """The kernel for this shape, built on first use (None: none can be built here)."""
     return _once(("attention", head_dim, page_tokens), lambda: _load(head_dim, page_tokens))

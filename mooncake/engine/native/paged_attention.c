@@ -310,3 +310,33 @@ int mc_paged_decode_f32(const float* q, const float* kpool, const float* vpool,
     att_plan_free(&plan);
     return 0;
 }
+
+/* Whole store blocks into pool pages (KVPool.write_blocks): for each of `layers` layers
+ * (the source's `src_layer` floats apart, the pool's `pool_layer`), n blocks of T tokens,
+ * block j at j * block_stride floats as [2][kv_heads][T][D] (K, then V), its T / P pages
+ * pages[j * T / P ...]. A page gets each head's K transposed ([D][P], the layout above) and
+ * its V as it is ([P][D]): one pass over the source, the pages split over the threads.
+ * Returns 1 if T is not a whole number of pages. */
+int mc_write_blocks_f32(const float* src, long src_layer, long block_stride, int layers,
+                        int n, int T, const int32_t* pages, float* kpool, float* vpool,
+                        long pool_layer, int kv_heads, int threads) {
+    if (T % P) return 1;
+    const int per = T / P;
+    const size_t page = (size_t)kv_heads * P * D;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long i = 0; i < (long)layers * n * per; i++) {
+        const int layer = (int)(i / (n * per)), b = (int)(i % (n * per));
+        const int j = b / per, pg = b % per;
+        const size_t at = (size_t)layer * pool_layer + (size_t)pages[b] * page;
+        const float* blk = src + (size_t)layer * src_layer + (size_t)j * block_stride;
+        for (int h = 0; h < kv_heads; h++) {
+            const float* ks = blk + ((size_t)h * T + (size_t)pg * P) * D;
+            const float* vs = ks + (size_t)kv_heads * T * D;
+            float* kd = kpool + at + (size_t)h * D * P;
+            for (int d = 0; d < D; d++)
+                for (int t = 0; t < P; t++) kd[d * P + t] = ks[t * D + d];
+            memcpy(vpool + at + (size_t)h * P * D, vs, sizeof(float) * P * D);
+        }
+    }
+    return 0;
+}
