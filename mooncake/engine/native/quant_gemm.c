@@ -252,21 +252,17 @@ int mc_q8_gemm(const uint8_t* qs, const float* d, const float* x, float* y, int 
 /* With AVX-512, a block widened as the GEMM tiles widen it (WIDEN_Q4, WIDEN_Q8): gcc's
  * vectorization of block_q4 ran the dequantization of SmolLM2's weights at ~17 G values
  * a second on a Zen 5 EPYC (2 threads), these at 24-27 G (into a buffer the caches hold). */
-static inline void block_q4_wide(const uint8_t* qs, const float* sc, int n, int nb, int b,
-                                 float* w) {
-    __m512 lo, hi;
-    WIDEN_Q4(qs, sc, n, nb, b, lo, hi);
-    _mm512_storeu_ps(w, lo);
-    _mm512_storeu_ps(w + 16, hi);
-}
+#define WIDE_BLOCK(NAME, WIDEN)                                                                \
+    static inline void NAME(const uint8_t* qs, const float* sc, int n, int nb, int b,          \
+                            float* w) {                                                        \
+        __m512 lo, hi;                                                                         \
+        WIDEN(qs, sc, n, nb, b, lo, hi);                                                       \
+        _mm512_storeu_ps(w, lo);                                                               \
+        _mm512_storeu_ps(w + 16, hi);                                                          \
+    }
 
-static inline void block_q8_wide(const uint8_t* qs, const float* sc, int n, int nb, int b,
-                                 float* w) {
-    __m512 lo, hi;
-    WIDEN_Q8(qs, sc, n, nb, b, lo, hi);
-    _mm512_storeu_ps(w, lo);
-    _mm512_storeu_ps(w + 16, hi);
-}
+WIDE_BLOCK(block_q4_wide, WIDEN_Q4)
+WIDE_BLOCK(block_q8_wide, WIDEN_Q8)
 
 DEQUANT(mc_q4_dequant, block_q4_wide)
 DEQUANT(mc_q8_dequant, block_q8_wide)
