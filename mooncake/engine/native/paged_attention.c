@@ -30,7 +30,7 @@
  * A job reads its pages in one pass: each page's scores, then its V weighted by
  * exp(score - the running maximum); where a later page raises the maximum, what was summed
  * so far is scaled down to it (the online softmax of flash attention). The exponential is
- * a polynomial the compiler vectorizes (exp_le0), not libm's expf, one call per score.
+ * a polynomial the compiler vectorizes (exp_diff), not libm's expf, one call per score.
  */
 #include <math.h>
 #include <stdint.h>
@@ -56,24 +56,38 @@ ALWAYS_INLINE void prefetch_block(const float* p, size_t floats) {
     for (size_t i = 0; i < floats; i += LINE / sizeof(float)) __builtin_prefetch(p + i, 0, 1);
 }
 
-/* e^x for x <= 0 (a score minus its maximum), within 3 ulp of e^x (2.6 at worst over every
- * 64th float in [-87, 0]): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
- * polynomial, times 2^n built in the exponent bits. Plain arithmetic, so a loop of it
- * becomes vector code; at -87 and below it is 0. */
-ALWAYS_INLINE float exp_le0(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = __builtin_roundf(x * 1.44269504f);
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    float p = 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+/* A softmax weight e^(s - top) as 2^x, x = s log2(e) - top log2(e) <= 0 (one FMA): x = n + f
+ * with n an integer and |f| <= 1/2 (exactly), 2^f by its degree-6 Taylor polynomial
+ * (relative error below 1.2e-7), times 2^n built in the exponent bits; at -126 and below
+ * it is 0. Plain arithmetic, so a loop of it becomes vector code. Unlike e^x computed
+ * directly, no step splits x by ln 2. The one exponential of decode and prefill attention
+ * (prefill_attention.c adds a 16-lane AVX-512 form of it, vexp2_le0). */
+#define LOG2E 1.44269504088896341f
+#define EXP2_C6 1.5403530e-4f /* ln(2)^k / k!, k = 6 .. 1 */
+#define EXP2_C5 1.3333558e-3f
+#define EXP2_C4 9.6181291e-3f
+#define EXP2_C3 5.5504109e-2f
+#define EXP2_C2 2.4022651e-1f
+#define EXP2_C1 6.9314718e-1f
+
+ALWAYS_INLINE float exp2_le0(float x) {
+    x = x < -126.f ? -126.f : x;
+    const float n = __builtin_roundf(x), f = x - n;
+    float p = EXP2_C6;
+    p = p * f + EXP2_C5;
+    p = p * f + EXP2_C4;
+    p = p * f + EXP2_C3;
+    p = p * f + EXP2_C2;
+    p = p * f + EXP2_C1;
+    p = p * f + 1.f;
     union { float f; int32_t i; } two = {.i = ((int32_t)n + 127) << 23};
     const float e = p * two.f;
-    return x <= -87.f ? 0.f : e;
+    return x <= -126.f ? 0.f : e;
+}
+
+/* e^(s - top) for s <= top: the exponent by one FMA, then exp2_le0. */
+ALWAYS_INLINE float exp_diff(float s, float top) {
+    return exp2_le0(__builtin_fmaf(s, LOG2E, -top * LOG2E));
 }
 
 /* out[i * stride + o] = sum_d qs[i * D + d] * K[o][d] for the G heads of a tile, K stored
@@ -168,14 +182,14 @@ ALWAYS_INLINE void tile_range(const int G, const float* qh, const float* kpool,
             float top = m[i];
             for (int o = 0; o < valid; o++) top = sc[i][o] > top ? sc[i][o] : top;
             if (top > m[i]) { /* scale what was summed down to the new maximum */
-                const float f = exp_le0(m[i] - top);
+                const float f = exp_diff(m[i], top);
                 for (int d = 0; d < D; d++) acc[i * D + d] *= f;
                 tot[i] *= f;
                 m[i] = top;
             }
             float t = 0.f;
             for (int o = 0; o < P; o++) {
-                const float e = o < valid ? exp_le0(sc[i][o] - top) : 0.f;
+                const float e = o < valid ? exp_diff(sc[i][o], top) : 0.f;
                 sc[i][o] = e;
                 t += e;
             }
@@ -289,7 +303,7 @@ static void att_run(const att_plan* plan, const float* q, const float* kpool,
             for (int sp = 0; sp < splits; sp++) {
                 const size_t at = ((size_t)pair * splits + sp) * group + i;
                 if (psum[at] == 0.f) continue; /* an empty split */
-                const float f = exp_le0(pmax[at] - m);
+                const float f = exp_diff(pmax[at], m);
                 tot += f * psum[at];
                 for (int d = 0; d < D; d++) acc[d] += f * part[at * D + d];
             }

@@ -139,36 +139,11 @@ ALWAYS_INLINE float hsum(vf v) {
 
 ALWAYS_INLINE vf vsplat(float x) { return x - (vf){0}; }
 
-/* A softmax weight e^(s - top) as 2^x, x = s log2(e) - top log2(e) <= 0 (one FMA): x = n + f
- * with n an integer and |f| <= 1/2 (exactly), 2^f by its degree-6 Taylor polynomial
- * (relative error below 1.2e-7), times 2^n; at -126 and below it is 0. Unlike e^x
- * (paged_attention.c's exp_le0) no step splits x by ln 2. On a 2-vCPU Zen 5 EPYC the
- * softmax took ~14 % of the kernel's time; this, by hand in AVX-512 with the weights
- * summed as they are made, made the kernel 3-4 % faster, and blocks of 128 keys 3-5 % more
- * (256 rows over 2,048 keys: 336 -> 369 GFLOP/s; 2,048 rows, causal: 329 -> 351). */
-#define LOG2E 1.44269504088896341f
-#define EXP2_C6 1.5403530e-4f /* ln(2)^k / k!, k = 6 .. 1 */
-#define EXP2_C5 1.3333558e-3f
-#define EXP2_C4 9.6181291e-3f
-#define EXP2_C3 5.5504109e-2f
-#define EXP2_C2 2.4022651e-1f
-#define EXP2_C1 6.9314718e-1f
-
-ALWAYS_INLINE float exp2_le0(float x) {
-    x = x < -126.f ? -126.f : x;
-    const float n = __builtin_roundf(x), f = x - n;
-    float p = EXP2_C6;
-    p = p * f + EXP2_C5;
-    p = p * f + EXP2_C4;
-    p = p * f + EXP2_C3;
-    p = p * f + EXP2_C2;
-    p = p * f + EXP2_C1;
-    p = p * f + 1.f;
-    union { float f; int32_t i; } two = {.i = ((int32_t)n + 127) << 23};
-    const float e = p * two.f;
-    return x <= -126.f ? 0.f : e;
-}
-
+/* The softmax weights are paged_attention.c's exp2_le0, in AVX-512 a 16-lane form of it
+ * below. On a 2-vCPU Zen 5 EPYC the softmax took ~14 % of the kernel's time; the weights
+ * by hand in AVX-512, summed as they are made, made the kernel 3-4 % faster, and blocks of
+ * 128 keys 3-5 % more (256 rows over 2,048 keys: 336 -> 369 GFLOP/s; 2,048 rows, causal:
+ * 329 -> 351). */
 #ifdef __AVX512F__
 /* exp2_le0 of 16 lanes: 2^n applied by vscalefps, and the lanes at -126 or below (or
  * -infinity, a masked key) zeroed by the same instruction's mask. */
@@ -426,12 +401,11 @@ static void tile_block(tile_state* t, const float* kh, const float* vh, size_t p
         for (int j = 0; j < KB; j += W) big = vmax(vload(s + j), big);
         const float top = hmax(big);
         /* Key 0, in the first block, is seen by every row: top is finite from there. */
-        alpha[r] = exp2_le0((t->m[r] - top) * LOG2E);
+        alpha[r] = exp_diff(t->m[r], top);
         t->m[r] = top;
-        /* exp(s - top) = 2^(s log2(e) - top log2(e)), the exponent by one FMA */
-        const float top2 = top * LOG2E;
 #ifdef __AVX512F__
-        const __m512 l2e = _mm512_set1_ps(LOG2E), t2 = _mm512_set1_ps(top2);
+        /* exp(s - top) = 2^(s log2(e) - top log2(e)), the exponent by one FMA */
+        const __m512 l2e = _mm512_set1_ps(LOG2E), t2 = _mm512_set1_ps(top * LOG2E);
         vf part = (vf){0};
         for (int j = 0; j < KB; j += W) {
             const vf e = vexp2_le0((vf)_mm512_fmsub_ps(_mm512_loadu_ps(s + j), l2e, t2));
@@ -439,7 +413,7 @@ static void tile_block(tile_state* t, const float* kh, const float* vh, size_t p
             part += e;
         }
 #else
-        for (int j = 0; j < KB; j++) s[j] = exp2_le0(__builtin_fmaf(s[j], LOG2E, -top2));
+        for (int j = 0; j < KB; j++) s[j] = exp_diff(s[j], top);
         vf part = vload(s);
         for (int j = W; j < KB; j += W) part += vload(s + j);
 #endif
