@@ -5,6 +5,8 @@ docstrings; BENCHMARKS.md, "bench engine"). Weights kept in quantized blocks are
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -60,15 +62,29 @@ class PackedWeight:
         return self.packed
 
 
-def onednn_usable(x: Tensor, weight: Tensor) -> bool:
-    """Whether oneDNN's float32 CPU GEMM (`_linear_pointwise`, packed or plain weight) can
-    take x @ weight.T: it has no autograd, so not where gradients are wanted."""
+def onednn_usable(x: Tensor, weight: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+                  ) -> bool:  # fmt: skip
+    """Whether oneDNN's CPU GEMM (`_linear_pointwise`, packed or plain weight) can take
+    x @ weight.T, both of one of `dtypes`: it has no autograd, so not where gradients are
+    wanted."""
     return (
         ONEDNN
         and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == weight.dtype
+        and x.dtype in dtypes
         and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
     )
+
+
+@functools.cache
+def bf16_gemms_fast() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware that oneDNN uses: AMX tiles
+    (Sapphire Rapids and later Xeons) or AVX512_BF16 dot products (also Zen 4 and 5). On a
+    2-vCPU Xeon with AMX (BENCHMARKS.md, 2026-11-28), oneDNN's bfloat16 GEMMs of SmolLM2's
+    shapes ran at 1.0-2.3 TFLOP/s against 0.24-0.29 in float32."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return ONEDNN and any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
 
 
 def linear(x: Tensor, weight: Tensor, packed: PackedWeight | None = None) -> Tensor:
@@ -102,12 +118,14 @@ def linear(x: Tensor, weight: Tensor, packed: PackedWeight | None = None) -> Ten
 
 def dense(x2: Tensor, weight: Tensor) -> Tensor:
     """x2 [rows, K] @ weight.T for a weight in plain layout (not packed: one just
-    dequantized, engine.quant): by oneDNN on the CPU in float32, else F.linear. Measured on
+    dequantized, engine.quant): by oneDNN on the CPU in float32 or bfloat16 (both of one
+    dtype; the result in it), else F.linear. Measured on
     this repo's AMD EPYC (Zen 5, AVX-512), SmolLM2's four projections at 256 and 1,024 rows,
     2 threads: MKL's GEMM (what F.linear runs) 170-210 GFLOP/s, oneDNN over the same plain
     weight 360-470 (MKL takes its AVX2 kernels on AMD, oneDNN its AVX-512 ones); on a Zen 3
     EPYC (AVX2 only) the two run equally fast. Same float32 math, the sums in another order."""
-    if onednn_usable(x2, weight):
+    if onednn_usable(x2, weight, (torch.float32, torch.bfloat16) if bf16_gemms_fast() else
+                     (torch.float32,)):  # fmt: skip
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
             x2.contiguous(), weight.contiguous(), None, "none", [], ""
         )

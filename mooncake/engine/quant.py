@@ -27,6 +27,13 @@ written out to DRAM and read back by the GEMM; the kept one stays in the caches.
 on a 2-vCPU Zen 5 EPYC, the two ways alternating in one process (BENCHMARKS.md, 2026-11-28):
 a 256-token prefill after 1,792 cached tokens ran 4 % faster (289 -> 272 ms, medians of 8),
 a cold 2,048-token one as fast.
+
+In bfloat16 (`bf16`, Decoder.use_bf16_gemms, `EngineSettings.gemm`), the slices are
+dequantized to bfloat16 (the file's values rounded to the nearest even) into the same
+buffer, the activations rounded to bfloat16, and oneDNN's bfloat16 GEMM sums the products
+in float32 and rounds the result to bfloat16 (returned as float32). Where the CPU has AMX
+tiles this is ~4-8x the float32 GEMM's speed (a 2-vCPU Xeon, SmolLM2's shapes: 1.0-2.3
+against 0.24-0.29 TFLOP/s); the price is bfloat16's rounding, as in a bfloat16 model.
 """
 
 from __future__ import annotations
@@ -95,15 +102,16 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 4
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x [..., K] float32 -> x @ W.T [..., N] float32."""
+    def __call__(self, x: Tensor, bf16: bool = False) -> Tensor:
+        """x [..., K] float32 -> x @ W.T [..., N] float32. `bf16`: a GEMM of more than
+        DIRECT_ROWS rows multiplies in bfloat16 (see the top)."""
         if x.shape[-1] != self.in_features:
             raise EngineError(f"{x.shape[-1]} inputs for a weight of {self.in_features}")
         rows = x.numel() // self.in_features
         direct = self._direct() if rows <= DIRECT_ROWS and x.device.type == "cpu" else None
         if direct is None:
             x2 = x.reshape(rows, self.in_features).float()
-            return self._sliced(x2).view(*x.shape[:-1], self.out_features)
+            return self._sliced(x2, bf16).view(*x.shape[:-1], self.out_features)
         gemm, qs, scales = direct
         x2 = x.float().contiguous()
         out = x2.new_empty(*x.shape[:-1], self.out_features)
@@ -111,33 +119,48 @@ class QuantWeight:
                     self.in_features, torch.get_num_threads()))  # fmt: skip
         return out
 
-    def _sliced(self, x2: Tensor) -> Tensor:
+    def _sliced(self, x2: Tensor, bf16: bool = False) -> Tensor:
         n, k = self.out_features, self.in_features
+        dtype = torch.bfloat16 if bf16 else torch.float32
         step = min(n, max(1, SLICE_FLOATS // k))
+        xin = x2.to(dtype)
         with SCRATCH.take(step * k if self.qs.device.type == "cpu" else 0) as buf:
+            if buf is not None and bf16:
+                buf = buf.view(dtype)
             if step == n:
-                return dense(x2, self.dequantize(out=buf))
+                return dense(xin, self.dequantize(out=buf, dtype=dtype)).float()
             out = x2.new_empty(x2.shape[0], n)
             for a in range(0, n, step):
                 b = min(a + step, n)
-                out[:, a:b] = dense(x2, self.dequantize(a, b, out=buf))
+                out[:, a:b] = dense(xin, self.dequantize(a, b, out=buf, dtype=dtype))
             return out
 
     def dequantize(
-        self, start: int = 0, stop: int | None = None, out: Tensor | None = None
+        self,
+        start: int = 0,
+        stop: int | None = None,
+        out: Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> Tensor:
-        """Rows start..stop-1 of the matrix as float32 [rows, K]: a new tensor, or the first
-        (stop - start) x K values of `out` (contiguous float32 on the CPU, large enough)."""
+        """Rows start..stop-1 of the matrix as `dtype` (float32, or bfloat16 rounded to the
+        nearest even) [rows, K]: a new tensor, or the first (stop - start) x K values of
+        `out` (contiguous, of `dtype`, on the CPU, large enough)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise EngineError(f"quantized weights dequantize to float32 or bfloat16, not {dtype}")
         stop = self.out_features if stop is None else stop
         kernels = native.load_quant() if self.qs.device.type == "cpu" else None
         if kernels is None:
-            return self._dequantize_torch(torch.arange(start, stop, device=self.qs.device))
+            ids = torch.arange(start, stop, device=self.qs.device)
+            return self._dequantize_torch(ids).to(dtype)
         rows = stop - start
         if out is None:
-            out = torch.empty(rows, self.in_features)
+            out = torch.empty(rows, self.in_features, dtype=dtype)
         else:
             out = out[: rows * self.in_features].view(rows, self.in_features)
-        fn = kernels.q4_dequant if self.kind == "q4" else kernels.q8_dequant
+        if dtype == torch.bfloat16:
+            fn = kernels.q4_dequant_bf16 if self.kind == "q4" else kernels.q8_dequant_bf16
+        else:
+            fn = kernels.q4_dequant if self.kind == "q4" else kernels.q8_dequant
         _check(fn(self.qs.data_ptr(), self.scales.data_ptr(), out.data_ptr(), start, stop,
                   self.in_features, torch.get_num_threads()))  # fmt: skip
         return out

@@ -116,6 +116,48 @@ def test_prefill_products_share_one_buffer_and_stay_right() -> None:
     assert quant.SCRATCH._buf.data_ptr() == kept  # kept, not made again
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bfloat16_dequantization_is_the_float32_values_rounded(
+    type_name: str, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dequantized to bfloat16 (for GEMMs in bfloat16): each value is the file's float32
+    value rounded to the nearest even, as torch rounds, for every row range and into a
+    given buffer; other dtypes are refused."""
+    if not compiled:
+        monkeypatch.setattr(native, "load_quant", lambda: None)
+    w, dense = _blocks(type_name, 37, 96, seed=11)
+    want = torch.from_numpy(dense).bfloat16()
+    got = w.dequantize(dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    buf = torch.full((37 * 96,), float("nan"), dtype=torch.bfloat16)
+    part = w.dequantize(5, 30, out=buf, dtype=torch.bfloat16)
+    assert torch.equal(part, want[5:30])
+    with pytest.raises(EngineError, match="float32 or bfloat16"):
+        w.dequantize(dtype=torch.float16)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bfloat16_products_are_float32s_within_their_rounding(type_name: str) -> None:
+    """GEMMs of many rows in bfloat16 (Decoder.use_bf16_gemms): the float32 product of the
+    operands rounded to bfloat16, up to the float32 sums' order and the result's rounding
+    (2^-8 of it); within bfloat16's rounding of the float32 product; few rows (a decode
+    batch) stay exactly float32."""
+    from mooncake.engine.quant import DIRECT_ROWS
+
+    w, dense = _blocks(type_name, 70, 192, seed=12)
+    x = torch.randn(DIRECT_ROWS + 40, 192)
+    got = w(x, bf16=True)
+    assert got.dtype == torch.float32 and got.shape == (DIRECT_ROWS + 40, 70)
+    rounded = x.bfloat16().float() @ torch.from_numpy(dense).bfloat16().float().t()
+    assert torch.allclose(got, rounded, rtol=2**-8, atol=1e-3 * rounded.abs().max().item())
+    exact = x @ torch.from_numpy(dense).t()
+    scale = exact.abs().max().item()
+    assert 0 < (got - exact).abs().max().item() <= 0.02 * scale  # it did round, not far
+    few = x[:DIRECT_ROWS]
+    assert torch.equal(w(few, bf16=True), w(few))
+
+
 def test_without_a_compiler_the_torch_path_gives_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     for type_name in TYPES:
         w, dense = _blocks(type_name, 20, 64, seed=4)

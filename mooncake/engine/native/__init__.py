@@ -315,14 +315,17 @@ def _load_prefill(head_dim: int, page_tokens: int, bf16: bool, avx2: bool) -> Pa
 
 @dataclass(frozen=True)
 class QuantKernels:
-    """quant_gemm.c's functions: `q4_gemm`/`q8_gemm` (qs, scales, x, y, M, N, K, threads)
-    and `q4_dequant`/`q8_dequant` (qs, scales, out, n0, n1, K, threads); each returns
-    non-zero for a K that is not a whole number of blocks."""
+    """quant_gemm.c's functions: `q4_gemm`/`q8_gemm` (qs, scales, x, y, M, N, K, threads),
+    `q4_dequant`/`q8_dequant` (qs, scales, out, n0, n1, K, threads) into float32 and
+    `q4_dequant_bf16`/`q8_dequant_bf16` (the same) into bfloat16; each returns non-zero for
+    a K that is not a whole number of blocks."""
 
     q4_gemm: ctypes._CFuncPtr  # type: ignore[name-defined]
     q8_gemm: ctypes._CFuncPtr  # type: ignore[name-defined]
     q4_dequant: ctypes._CFuncPtr  # type: ignore[name-defined]
     q8_dequant: ctypes._CFuncPtr  # type: ignore[name-defined]
+    q4_dequant_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]
+    q8_dequant_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
 def load_quant() -> QuantKernels | None:
@@ -338,7 +341,9 @@ def _load_quant() -> QuantKernels | None:
     fns = []
     for name, args in (("mc_q4_gemm", [ptr] * 4 + [i32] * 4), ("mc_q8_gemm", [ptr] * 4 + [i32] * 4),
                        ("mc_q4_dequant", [ptr] * 3 + [i32] * 4),
-                       ("mc_q8_dequant", [ptr] * 3 + [i32] * 4)):  # fmt: skip
+                       ("mc_q8_dequant", [ptr] * 3 + [i32] * 4),
+                       ("mc_q4_dequant_bf16", [ptr] * 3 + [i32] * 4),
+                       ("mc_q8_dequant_bf16", [ptr] * 3 + [i32] * 4)):  # fmt: skip
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, i32
         fns.append(fn)

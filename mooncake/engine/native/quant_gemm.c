@@ -235,9 +235,10 @@ int mc_q8_gemm(const uint8_t* qs, const float* d, const float* x, float* y, int 
 
 /* Rows n0..n1-1 of W as float32 (out [n1 - n0, K]): for GEMMs of many rows (a prefill),
  * which run faster as one float32 GEMM over a dequantized slice. One function a format, so
- * that its block is inlined and vectorized. */
-#define DEQUANT(NAME, BLOCK)                                                                   \
-    int NAME(const uint8_t* qs, const float* sc, float* out, int n0, int n1, int K,            \
+ * that its block is inlined and vectorized. The _bf16 ones write bfloat16 (uint16 bits),
+ * rounded to the nearest even as torch rounds, for GEMMs in bfloat16 (engine.quant). */
+#define DEQUANT(NAME, BLOCK, T)                                                                \
+    int NAME(const uint8_t* qs, const float* sc, T* out, int n0, int n1, int K,                \
              int threads) {                                                                    \
         if (K % QK) return 1;                                                                  \
         const int nb = K / QK;                                                                 \
@@ -246,6 +247,21 @@ int mc_q8_gemm(const uint8_t* qs, const float* d, const float* x, float* y, int 
             for (int b = 0; b < nb; b++)                                                       \
                 BLOCK(qs, sc, n, nb, b, out + (size_t)(n - n0) * K + (size_t)b * QK);          \
         return 0;                                                                              \
+    }
+
+/* A float as bfloat16, rounded to the nearest even (the weights are finite). */
+static inline uint16_t bf16_round(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* A block as floats, then rounded to bfloat16 (a loop the compiler vectorizes). */
+#define BF16_BLOCK(NAME, BLOCK)                                                                \
+    static inline void NAME(const uint8_t* qs, const float* sc, int n, int nb, int b,          \
+                            uint16_t* w) {                                                     \
+        float f[QK];                                                                           \
+        BLOCK(qs, sc, n, nb, b, f);                                                            \
+        for (int j = 0; j < QK; j++) w[j] = bf16_round(f[j]);                                  \
     }
 
 #ifdef __AVX512F__
@@ -264,9 +280,30 @@ int mc_q8_gemm(const uint8_t* qs, const float* d, const float* x, float* y, int 
 WIDE_BLOCK(block_q4_wide, WIDEN_Q4)
 WIDE_BLOCK(block_q8_wide, WIDEN_Q8)
 
-DEQUANT(mc_q4_dequant, block_q4_wide)
-DEQUANT(mc_q8_dequant, block_q8_wide)
+DEQUANT(mc_q4_dequant, block_q4_wide, float)
+DEQUANT(mc_q8_dequant, block_q8_wide, float)
+
+#ifdef __AVX512BF16__
+/* With AVX512_BF16, the two halves of a widened block rounded by one instruction
+ * (vcvtne2ps2bf16: nearest even, as bf16_round). */
+#define WIDE_BF16_BLOCK(NAME, WIDEN)                                                           \
+    static inline void NAME(const uint8_t* qs, const float* sc, int n, int nb, int b,          \
+                            uint16_t* w) {                                                     \
+        __m512 lo, hi;                                                                         \
+        WIDEN(qs, sc, n, nb, b, lo, hi);                                                       \
+        _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));                          \
+    }
+WIDE_BF16_BLOCK(block_q4_bf16, WIDEN_Q4)
+WIDE_BF16_BLOCK(block_q8_bf16, WIDEN_Q8)
 #else
-DEQUANT(mc_q4_dequant, block_q4)
-DEQUANT(mc_q8_dequant, block_q8)
+BF16_BLOCK(block_q4_bf16, block_q4_wide)
+BF16_BLOCK(block_q8_bf16, block_q8_wide)
 #endif
+#else
+DEQUANT(mc_q4_dequant, block_q4, float)
+DEQUANT(mc_q8_dequant, block_q8, float)
+BF16_BLOCK(block_q4_bf16, block_q4)
+BF16_BLOCK(block_q8_bf16, block_q8)
+#endif
+DEQUANT(mc_q4_dequant_bf16, block_q4_bf16, uint16_t)
+DEQUANT(mc_q8_dequant_bf16, block_q8_bf16, uint16_t)
