@@ -152,6 +152,13 @@ class EngineSettings(BaseModel):
     # SmolLM2: logits within ~0.1-0.6 of float32's, the same argmax at ~99 % of the
     # positions of a random 512-token prompt (BENCHMARKS.md).
     attention: Literal["float32", "bfloat16"] = "float32"
+    # Prefill GEMMs' products over the quantized weights: float32, or bfloat16 where the CPU
+    # multiplies bfloat16 matrices in hardware (AMX tiles, AVX512_BF16; float32 elsewhere,
+    # with a warning): on a 2-vCPU Xeon with AMX, a 512-token prefill ~1.9x and a 2,048-token
+    # one ~1.7x faster. Weights and activations rounded to bfloat16, the products summed in
+    # float32 (oneDNN): SmolLM2's logits move from float32's as far as transformers' own
+    # bfloat16 model's do (BENCHMARKS.md). Decode steps stay float32.
+    gemm: Literal["float32", "bfloat16"] = "float32"
     dummy: DummyModel = DummyModel()
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV
     # pool, `Settings.kv_cache_bytes`).

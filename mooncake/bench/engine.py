@@ -39,6 +39,10 @@ machine lands on both sides of a pair rather than on one side's median.
   CPU's native kernel, its products in bfloat16 with `--attention bfloat16` where the CPU
   has AVX512_BF16; `torch`). With bfloat16, `ref_argmax_agreement` and
   `ref_logits_max_abs_diff` say what the rounding costs against the float32 reference.
+- `prefill_gemm`: how prefill GEMMs over the quantized weights multiply (`float32`;
+  `bfloat16` with `--gemm bfloat16` where the CPU has AMX or AVX512_BF16: weight slices
+  dequantized to bfloat16, oneDNN's bfloat16 GEMM). `ref_argmax_agreement`,
+  `ref_logits_max_abs_diff` and `logits_max_abs_diff` then include its rounding.
 - `decode_path`: how decode steps run (`fused`: each layer in one native call, engine.fused;
   `eager`: the model's forward op by op).
   With `fused`, the same decode op by op in the same run: `eager_decode_tok_s_b1` / `_b8`
@@ -196,7 +200,7 @@ def _bench_eager(
     forward op by op (same weights)."""
     dev, path = engine.device, engine.decode_path
     eager = Engine(engine.model, engine.tokenizer, block_tokens=PREFIX_BLOCK, decode="eager",
-                   attention=engine.attention)  # fmt: skip
+                   attention=engine.attention, gemm=engine.gemm)  # fmt: skip
     log(f"decode of {tokens} tokens, batch 1 and 8, {path} and eager steps")
     p1 = _prompt(prompt_len, engine.spec.vocab_size, 2)
     _, t_eager, ratio = _paired(
@@ -221,7 +225,7 @@ def _bench_float32(
     dev = torch.device("cpu")
     loaded = load_gguf(smollm2_path(), weights="float32")
     loaded.model.pack_weights()
-    ref = Engine(  # the same attention: the weights alone differ
+    ref = Engine(  # the same attention: the weights (and with bfloat16, the GEMMs) differ
         loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK, attention=engine.attention
     )
     prompt = _prompt(512, engine.spec.vocab_size, 1)
@@ -482,7 +486,11 @@ def _prefix_ceiling(
 
 
 def _shape_engine(
-    shape: str, dev: torch.device, attention: Literal["float32", "bfloat16"], log: Log
+    shape: str,
+    dev: torch.device,
+    attention: Literal["float32", "bfloat16"],
+    gemm: Literal["float32", "bfloat16"],
+    log: Log,
 ) -> tuple[Engine, Any, str]:
     """Random weights of a model shape (bfloat16 on CUDA, float32 elsewhere) and the
     transformers reference holding the same weights."""
@@ -490,7 +498,7 @@ def _shape_engine(
     log(f"random {shape} weights ({dtype}) on {dev}, and the transformers reference")
     model = dummy_model(SHAPES[shape], device=dev, dtype=dtype, on_device=dev.type == "cuda")
     ref = _shape_reference(model)
-    engine = Engine(model, None, block_tokens=PREFIX_BLOCK, attention=attention)
+    engine = Engine(model, None, block_tokens=PREFIX_BLOCK, attention=attention, gemm=gemm)
     return engine, ref, f"{shape} (random weights)"
 
 
@@ -514,20 +522,25 @@ def run_engine_bench(
     weights: Literal["quantized", "float32"] = "quantized",
     shape: str | None = None,
     attention: Literal["float32", "bfloat16"] = "float32",
+    gemm: Literal["float32", "bfloat16"] = "float32",
     log: Log = lambda _: None,
 ) -> dict[str, object]:
     if threads is not None:
         torch.set_num_threads(threads)
     dev = torch.device(device)
     if shape is not None:
-        engine, ref, name = _shape_engine(shape, dev, attention, log)
+        engine, ref, name = _shape_engine(shape, dev, attention, gemm, log)
         _check_decode_fits(engine, decode_prompt, decode_tokens)
     else:
         log("loading SmolLM2 (engine) and the transformers reference from the same GGUF")
         loaded = load_gguf(smollm2_path(), device=dev, weights=weights)
         loaded.model.pack_weights()  # as a serving worker holds them
         engine = Engine(
-            loaded.model, loaded.tokenizer, block_tokens=PREFIX_BLOCK, attention=attention
+            loaded.model,
+            loaded.tokenizer,
+            block_tokens=PREFIX_BLOCK,
+            attention=attention,
+            gemm=gemm,
         )
         _check_decode_fits(engine, decode_prompt, decode_tokens)
         ref, name = _load_reference(dev), loaded.name
@@ -541,6 +554,7 @@ def run_engine_bench(
         "weights_mb": round(model.weight_bytes() / 2**20, 1),
         "decode_path": engine.decode_path,
         "prefill_attention": engine.prefill_attention,
+        "prefill_gemm": engine.prefill_gemm,
         "torch_threads": torch.get_num_threads(),
         "reps": reps,
         **_bench_prefill(engine, ref, prefill_tokens, reps, dev, log),

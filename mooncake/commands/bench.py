@@ -191,6 +191,13 @@ def bench_engine(
             "AVX512_BF16 (engine.attention)"
         ),
     ] = "float32",
+    gemm: Annotated[
+        str,
+        typer.Option(
+            help="Prefill GEMMs' products over quantized weights: float32, or bfloat16 where "
+            "the CPU has AMX or AVX512_BF16 (engine.gemm)"
+        ),
+    ] = "float32",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """SmolLM2 prefill/decode speed vs transformers' LlamaForCausalLM (and llama.cpp where
@@ -203,6 +210,8 @@ def bench_engine(
         raise typer.BadParameter("quantized or float32", param_hint="--weights")
     if attention not in ("float32", "bfloat16"):
         raise typer.BadParameter("float32 or bfloat16", param_hint="--attention")
+    if gemm not in ("float32", "bfloat16"):
+        raise typer.BadParameter("float32 or bfloat16", param_hint="--gemm")
     if shape is not None and shape not in SHAPES:
         raise typer.BadParameter(" | ".join(SHAPES), param_hint="--shape")
     try:
@@ -216,6 +225,7 @@ def bench_engine(
             weights="quantized" if weights == "quantized" else "float32",
             shape=shape,
             attention="bfloat16" if attention == "bfloat16" else "float32",
+            gemm="bfloat16" if gemm == "bfloat16" else "float32",
             log=lambda m: err.print(m, markup=False),  # "[anchors]" is no markup tag
         )
     except EngineError as exc:

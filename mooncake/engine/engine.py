@@ -60,6 +60,7 @@ class Engine:
         kv_budget_bytes: int | None = None,
         decode: Literal["fused", "eager"] = "fused",
         attention: Literal["float32", "bfloat16"] = "float32",
+        gemm: Literal["float32", "bfloat16"] = "float32",
     ) -> None:
         if block_tokens < 1:
             raise EngineError("block_tokens must be positive")
@@ -90,6 +91,11 @@ class Engine:
         # "bfloat16": prefill attention's products in bfloat16 where the CPU has them
         # (EngineSettings.attention).
         self.attention = attention
+        # "bfloat16": prefill GEMMs over quantized weights in bfloat16 where the CPU has
+        # bfloat16 matrix instructions (EngineSettings.gemm; Decoder.use_bf16_gemms). The
+        # model is this engine's: the choice is set on it.
+        self.gemm = gemm
+        model.use_bf16_gemms(gemm == "bfloat16")
 
     @property
     def decode_path(self) -> str:
@@ -108,6 +114,12 @@ class Engine:
         if kernel is None:
             return "torch"
         return "native bfloat16" if kernel.bf16 else "native float32"
+
+    @property
+    def prefill_gemm(self) -> str:
+        """How prefill GEMMs multiply: "bfloat16" (asked for, and applied: see
+        Decoder.use_bf16_gemms) or "float32"."""
+        return "bfloat16" if self.model.bf16_gemms else "float32"
 
     def prefill_backend(self, kv: PagedKV, start: int, new: int) -> PagedPrefill:
         """The attention backend of a prefill of `new` tokens after `start` held in `kv`."""

@@ -18,7 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mooncake.engine.gemm import ONEDNN, PACKED_ONLY, SMALL_ROWS, PackedWeight, linear, nbytes
+from mooncake.engine.gemm import (
+    ONEDNN,
+    PACKED_ONLY,
+    SMALL_ROWS,
+    PackedWeight,
+    bf16_gemms_fast,
+    linear,
+    nbytes,
+)
 from mooncake.engine.quant import QuantWeight
 from mooncake.engine.spec import ModelSpec
 
@@ -160,6 +168,8 @@ class Block(nn.Module):
         }
         # GEMMs whose weight is kept in the model file's quantized blocks (engine.quant).
         self.quant: dict[str, QuantWeight] = {}
+        # Those GEMMs of many rows multiplied in bfloat16 (Decoder.use_bf16_gemms).
+        self.gemm_bf16 = False
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         b, s, _ = x.shape
@@ -281,7 +291,7 @@ class Block(nn.Module):
         """x @ W.T for one of the block's GEMMs: over its quantized blocks where it has them."""
         quant = self.quant.get(name)
         if quant is not None:
-            return quant(x)
+            return quant(x, self.gemm_bf16)
         return linear(x, self._weight(name), self._packed[name])
 
     def use_quantized(self, parts: dict[str, QuantWeight]) -> None:
@@ -399,6 +409,32 @@ class Decoder(nn.Module):
             if head is not None and self.lm_head is not None:
                 self.quant_head = head
                 self.lm_head.weight = nn.Parameter(PACKED_ONLY, requires_grad=False)
+
+    def use_bf16_gemms(self, on: bool) -> bool:
+        """Multiply the decoder layers' GEMMs of more than DIRECT_ROWS rows (prefills) over
+        quantized weights in bfloat16 (`on`) or float32: the weight slices dequantized to
+        bfloat16 and the activations rounded to it, the products summed in float32 and
+        rounded to bfloat16 (oneDNN), as a bfloat16 model runs; the rest of the model stays
+        float32, and so do decode steps (the fused native step, engine.fused; eager ones
+        of up to DIRECT_ROWS rows) and the output head. Applied only where the CPU
+        multiplies bfloat16 in hardware (gemm.bf16_gemms_fast) and some weights are
+        quantized; returns whether it now is."""
+        on = (
+            on
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and bool(self.quantized())
+            and bf16_gemms_fast()
+        )
+        for block in self.layers:
+            assert isinstance(block, Block)
+            block.gemm_bf16 = on
+        return on
+
+    @property
+    def bf16_gemms(self) -> bool:
+        """Whether the layers' GEMMs of many rows multiply in bfloat16 (use_bf16_gemms)."""
+        return any(isinstance(b, Block) and b.gemm_bf16 for b in self.layers)
 
     def quantized(self) -> list[QuantWeight]:
         """Every weight kept in quantized blocks (each once)."""

@@ -57,6 +57,7 @@ def build_engine(settings: Settings) -> Engine:
         kv_budget_bytes=kv_budget_bytes(settings),
         decode=s.decode,
         attention=s.attention,
+        gemm=s.gemm,
     )
     # Prefill and decode workers embed a store node whose DRAM segment they hold too.
     spec = engine.spec
@@ -64,13 +65,17 @@ def build_engine(settings: Settings) -> Engine:
     log.info("%s", memory_statement(engine, settings.store.dram_bytes, inbox))
     kept = "quantized blocks" if model.quantized() else "float32"
     where = f", pinned to CPUs {format_cpus(pinned)}" if pinned else ""
-    log.info("engine: weights as %s, %s decode steps, %s prefill attention, %d threads%s",
-             kept, engine.decode_path, engine.prefill_attention, torch.get_num_threads(),
-             where)  # fmt: skip
+    log.info("engine: weights as %s, %s decode steps, %s prefill attention, %s prefill "
+             "GEMMs, %d threads%s", kept, engine.decode_path, engine.prefill_attention,
+             engine.prefill_gemm, torch.get_num_threads(), where)  # fmt: skip
     if s.attention == "bfloat16" and engine.prefill_attention != "native bfloat16":
         log.warning("engine.attention = bfloat16, but this machine has no bfloat16 prefill "
                     "kernel for this model (AVX512_BF16, a head of a multiple of 32 floats, "
                     "a CPU): float32")  # fmt: skip
+    if s.gemm == "bfloat16" and engine.prefill_gemm != "bfloat16":
+        log.warning("engine.gemm = bfloat16, but this machine has no bfloat16 matrix "
+                    "instructions for it (AMX or AVX512_BF16 on a CPU, weights kept "
+                    "quantized): float32")  # fmt: skip
     return engine
 
 

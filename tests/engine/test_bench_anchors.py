@@ -76,3 +76,9 @@ def test_bench_engine_refuses_an_attention_it_does_not_have() -> None:
     got = CliRunner().invoke(app, ["bench", "engine", "--attention", "float16"])
     assert got.exit_code == 2, got.output
     assert "float32 or bfloat16" in got.output
+
+
+def test_bench_engine_refuses_a_gemm_precision_it_does_not_have() -> None:
+    got = CliRunner().invoke(app, ["bench", "engine", "--gemm", "int8"])
+    assert got.exit_code == 2, got.output
+    assert "float32 or bfloat16" in got.output and "--gemm" in got.output

@@ -112,6 +112,61 @@ def test_bfloat16_prefill_attention_is_float32s_within_its_rounding(
     assert 0 < (cold.logits - reference).abs().max().item()  # it did round
 
 
+BF16_GEMM_LOGIT_GAP = 1.5  # SmolLM2, this prompt: 0.61 cold, 0.39 cached on a Xeon with AMX
+
+
+def test_bfloat16_prefill_gemms_stay_near_float32(
+    engine: Engine, chat: Callable[[str], list[int]]
+) -> None:
+    """engine.gemm = bfloat16 (where the CPU has AMX or AVX512_BF16): prefills' GEMMs over
+    the quantized weights multiply in bfloat16. The logits stay near float32's (the same
+    next token, gaps of bfloat16's rounding: BF16_GEMM_LOGIT_GAP), cold or over a cached
+    prefix; a GEMM's rows change oneDNN's order of sums, so a cached prefill is not
+    bit-equal to a cold one as in float32, only as near. The model's choice is put back."""
+    tokens = chat(PROMPT)
+    reference = engine.prefill(tokens, all_logits=True).logits
+    try:
+        bf16 = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
+                      gemm="bfloat16")  # fmt: skip
+        if bf16.prefill_gemm != "bfloat16":
+            pytest.skip("no bfloat16 matrix instructions here (AMX, AVX512_BF16)")
+        assert engine.prefill_gemm == "bfloat16"  # one model: the choice is the model's
+        cold = bf16.prefill(tokens, all_logits=True)
+        gap = (cold.logits - reference).abs().max().item()
+        assert 0 < gap < BF16_GEMM_LOGIT_GAP  # it did round, and not far
+        assert cold.logits[-1].argmax() == reference[-1].argmax()
+        blocks = bf16.blocks(cold.kv)
+        for k in (1, len(blocks) - 1):
+            part = bf16.prefill(tokens, prefix=bf16.prefix_from_blocks(blocks[:k]),
+                                all_logits=True)  # fmt: skip
+            want = reference[part.cached_tokens :]
+            assert (part.logits - want).abs().max().item() < BF16_GEMM_LOGIT_GAP, k
+            assert part.logits[-1].argmax() == want[-1].argmax(), k
+    finally:
+        engine.model.use_bf16_gemms(False)
+    assert engine.prefill_gemm == "float32"
+    assert torch.equal(engine.prefill(tokens, all_logits=True).logits, reference)
+
+
+def test_bfloat16_gemms_fall_back_to_float32_where_the_cpu_lacks_them(
+    engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked for where the CPU has no bfloat16 matrix instructions: float32, the same
+    logits as the default."""
+    import mooncake.engine.model as model_module
+
+    monkeypatch.setattr(model_module, "bf16_gemms_fast", lambda: False)
+    tokens = chat(PROMPT)
+    reference = engine.prefill(tokens, all_logits=True).logits
+    try:
+        asked = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
+                       gemm="bfloat16")  # fmt: skip
+        assert asked.gemm == "bfloat16" and asked.prefill_gemm == "float32"
+        assert torch.equal(asked.prefill(tokens, all_logits=True).logits, reference)
+    finally:
+        engine.model.use_bf16_gemms(False)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_prefix_prefill_in_query_runs_matches_one_run(
     engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch, rows: int
