@@ -137,6 +137,29 @@ def test_bfloat16_dequantization_is_the_float32_values_rounded(
         w.dequantize(dtype=torch.float16)
 
 
+@pytest.mark.parametrize(
+    "flags", [(), ("-mno-avx512bf16",), ("-mno-avx512f",)], ids=["native", "no-bf16", "avx2"]
+)
+def test_every_build_dequantizes_to_the_same_values(flags: tuple[str, ...]) -> None:
+    """quant_gemm.c built for this machine, without AVX512_BF16 (the rounding in plain C)
+    and without AVX-512 (as on an AVX2 CPU): float32 and bfloat16 values the same as
+    gguf's, rounded as torch rounds."""
+    import ctypes
+
+    path = native.build(native.QUANT_SOURCE, flags)
+    if path is None:
+        pytest.skip(f"quant_gemm.c does not build here with {flags}")
+    lib = ctypes.CDLL(str(path))
+    for type_name in TYPES:
+        w, dense = _blocks(type_name, 37, 96, seed=13)
+        for dtype, name in ((torch.float32, "dequant"), (torch.bfloat16, "dequant_bf16")):
+            fn = getattr(lib, f"mc_{w.kind}_{name}")
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+            out = torch.empty(37, 96, dtype=dtype)
+            assert fn(w.qs.data_ptr(), w.scales.data_ptr(), out.data_ptr(), 0, 37, 96, 2) == 0
+            assert torch.equal(out, torch.from_numpy(dense).to(dtype)), (type_name, name)
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_bfloat16_products_are_float32s_within_their_rounding(type_name: str) -> None:
     """GEMMs of many rows in bfloat16 (Decoder.use_bf16_gemms): the float32 product of the

@@ -268,17 +268,16 @@ static inline uint16_t bf16_round(float f) {
 /* With AVX-512, a block widened as the GEMM tiles widen it (WIDEN_Q4, WIDEN_Q8): gcc's
  * vectorization of block_q4 ran the dequantization of SmolLM2's weights at ~17 G values
  * a second on a Zen 5 EPYC (2 threads), these at 24-27 G (into a buffer the caches hold). */
-#define WIDE_BLOCK(NAME, WIDEN)                                                                \
-    static inline void NAME(const uint8_t* qs, const float* sc, int n, int nb, int b,          \
-                            float* w) {                                                        \
+#define WIDE_BLOCK(NAME, WIDEN, T, STORE)                                                      \
+    static inline void NAME(const uint8_t* qs, const float* sc, int n, int nb, int b, T* w) {  \
         __m512 lo, hi;                                                                         \
         WIDEN(qs, sc, n, nb, b, lo, hi);                                                       \
-        _mm512_storeu_ps(w, lo);                                                               \
-        _mm512_storeu_ps(w + 16, hi);                                                          \
+        STORE(w, lo, hi);                                                                      \
     }
+#define STORE_F32(w, lo, hi) (_mm512_storeu_ps(w, lo), _mm512_storeu_ps((w) + 16, hi))
 
-WIDE_BLOCK(block_q4_wide, WIDEN_Q4)
-WIDE_BLOCK(block_q8_wide, WIDEN_Q8)
+WIDE_BLOCK(block_q4_wide, WIDEN_Q4, float, STORE_F32)
+WIDE_BLOCK(block_q8_wide, WIDEN_Q8, float, STORE_F32)
 
 DEQUANT(mc_q4_dequant, block_q4_wide, float)
 DEQUANT(mc_q8_dequant, block_q8_wide, float)
@@ -286,15 +285,9 @@ DEQUANT(mc_q8_dequant, block_q8_wide, float)
 #ifdef __AVX512BF16__
 /* With AVX512_BF16, the two halves of a widened block rounded by one instruction
  * (vcvtne2ps2bf16: nearest even, as bf16_round). */
-#define WIDE_BF16_BLOCK(NAME, WIDEN)                                                           \
-    static inline void NAME(const uint8_t* qs, const float* sc, int n, int nb, int b,          \
-                            uint16_t* w) {                                                     \
-        __m512 lo, hi;                                                                         \
-        WIDEN(qs, sc, n, nb, b, lo, hi);                                                       \
-        _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));                          \
-    }
-WIDE_BF16_BLOCK(block_q4_bf16, WIDEN_Q4)
-WIDE_BF16_BLOCK(block_q8_bf16, WIDEN_Q8)
+#define STORE_BF16(w, lo, hi) _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(hi, lo))
+WIDE_BLOCK(block_q4_bf16, WIDEN_Q4, uint16_t, STORE_BF16)
+WIDE_BLOCK(block_q8_bf16, WIDEN_Q8, uint16_t, STORE_BF16)
 #else
 BF16_BLOCK(block_q4_bf16, block_q4_wide)
 BF16_BLOCK(block_q8_bf16, block_q8_wide)
