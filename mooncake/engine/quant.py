@@ -155,6 +155,10 @@ class QuantWeight:
         rows = stop - start
         if out is None:
             out = torch.empty(rows, self.in_features, dtype=dtype)
+        elif out.dtype != dtype or not out.is_contiguous() or out.numel() < rows * self.in_features:
+            raise EngineError(
+                f"a dequantization buffer must be {dtype}, contiguous and large enough"
+            )
         else:
             out = out[: rows * self.in_features].view(rows, self.in_features)
         if dtype == torch.bfloat16:

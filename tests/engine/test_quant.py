@@ -135,6 +135,9 @@ def test_bfloat16_dequantization_is_the_float32_values_rounded(
     assert torch.equal(part, want[5:30])
     with pytest.raises(EngineError, match="float32 or bfloat16"):
         w.dequantize(dtype=torch.float16)
+    if compiled:  # the native kernels write into the buffer: one of another dtype is refused
+        with pytest.raises(EngineError, match="buffer"):
+            w.dequantize(out=torch.empty(37 * 96), dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize(
