@@ -124,8 +124,9 @@ def dense(x2: Tensor, weight: Tensor) -> Tensor:
     2 threads: MKL's GEMM (what F.linear runs) 170-210 GFLOP/s, oneDNN over the same plain
     weight 360-470 (MKL takes its AVX2 kernels on AMD, oneDNN its AVX-512 ones); on a Zen 3
     EPYC (AVX2 only) the two run equally fast. Same float32 math, the sums in another order."""
-    if onednn_usable(x2, weight, (torch.float32, torch.bfloat16) if bf16_gemms_fast() else
-                     (torch.float32,)):  # fmt: skip
+    # bfloat16 by oneDNN only where the CPU has its instructions (F.linear elsewhere).
+    dtypes = (torch.float32, torch.bfloat16) if bf16_gemms_fast() else (torch.float32,)
+    if onednn_usable(x2, weight, dtypes):
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
             x2.contiguous(), weight.contiguous(), None, "none", [], ""
         )

@@ -275,28 +275,25 @@ static inline uint16_t bf16_round(float f) {
         STORE(w, lo, hi);                                                                      \
     }
 #define STORE_F32(w, lo, hi) (_mm512_storeu_ps(w, lo), _mm512_storeu_ps((w) + 16, hi))
+WIDE_BLOCK(block_q4_f32, WIDEN_Q4, float, STORE_F32)
+WIDE_BLOCK(block_q8_f32, WIDEN_Q8, float, STORE_F32)
+#else
+#define block_q4_f32 block_q4
+#define block_q8_f32 block_q8
+#endif
 
-WIDE_BLOCK(block_q4_wide, WIDEN_Q4, float, STORE_F32)
-WIDE_BLOCK(block_q8_wide, WIDEN_Q8, float, STORE_F32)
-
-DEQUANT(mc_q4_dequant, block_q4_wide, float)
-DEQUANT(mc_q8_dequant, block_q8_wide, float)
-
-#ifdef __AVX512BF16__
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* With AVX512_BF16, the two halves of a widened block rounded by one instruction
  * (vcvtne2ps2bf16: nearest even, as bf16_round). */
 #define STORE_BF16(w, lo, hi) _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(hi, lo))
 WIDE_BLOCK(block_q4_bf16, WIDEN_Q4, uint16_t, STORE_BF16)
 WIDE_BLOCK(block_q8_bf16, WIDEN_Q8, uint16_t, STORE_BF16)
 #else
-BF16_BLOCK(block_q4_bf16, block_q4_wide)
-BF16_BLOCK(block_q8_bf16, block_q8_wide)
+BF16_BLOCK(block_q4_bf16, block_q4_f32)
+BF16_BLOCK(block_q8_bf16, block_q8_f32)
 #endif
-#else
-DEQUANT(mc_q4_dequant, block_q4, float)
-DEQUANT(mc_q8_dequant, block_q8, float)
-BF16_BLOCK(block_q4_bf16, block_q4)
-BF16_BLOCK(block_q8_bf16, block_q8)
-#endif
+
+DEQUANT(mc_q4_dequant, block_q4_f32, float)
+DEQUANT(mc_q8_dequant, block_q8_f32, float)
 DEQUANT(mc_q4_dequant_bf16, block_q4_bf16, uint16_t)
 DEQUANT(mc_q8_dequant_bf16, block_q8_bf16, uint16_t)
