@@ -37,10 +37,12 @@ machine lands on both sides of a pair rather than on one side's median.
   still see up to 2,048 keys), and 256-row GEMMs run slower than 1,024-row ones.
 - `prefill_attention`: how prefill attention runs (`native float32`, `native bfloat16`: the
   CPU's native kernel, its products in bfloat16 with `--attention bfloat16` where the CPU
-  has AVX512_BF16; `torch`). With bfloat16, `ref_argmax_agreement` and
+  has AVX512_BF16 and the bfloat16 kernel measured faster: paged.bf16_attention_speedup;
+  `torch`). With bfloat16, `ref_argmax_agreement` and
   `ref_logits_max_abs_diff` say what the rounding costs against the float32 reference.
 - `prefill_gemm`: how prefill GEMMs over the quantized weights multiply (`float32`;
-  `bfloat16` with `--gemm bfloat16` where the CPU has AMX or AVX512_BF16: weight slices
+  `bfloat16` with `--gemm bfloat16` where the CPU has AMX or AVX512_BF16 and oneDNN's
+  bfloat16 GEMM measured faster, gemm.bf16_gemm_speedup: weight slices
   dequantized to bfloat16, oneDNN's bfloat16 GEMM). `ref_argmax_agreement`,
   `ref_logits_max_abs_diff` and `logits_max_abs_diff` then include its rounding.
 - `decode_path`: how decode steps run (`fused`: each layer in one native call, engine.fused;
@@ -76,6 +78,7 @@ from mooncake.engine.errors import EngineError
 from mooncake.engine.gguf_loader import load_gguf, smollm2_path
 from mooncake.engine.hf_loader import hf_name
 from mooncake.engine.model import ROW_CHUNK, Block, Decoder
+from mooncake.engine.speed import paired
 from mooncake.trace import block_tokens
 
 Log = Callable[[str], None]
@@ -102,21 +105,6 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - t0
-
-
-def _paired(
-    ours: Callable[[], float], theirs: Callable[[], float], reps: int
-) -> tuple[float, float, float]:
-    """(median ours, median theirs, median of the per-repetition ratios theirs/ours). The
-    two run back to back in each repetition, after one warm-up each, so a burst of load
-    from elsewhere on the machine hits both sides of a pair."""
-    ours(), theirs()
-    a, b = [], []
-    for _ in range(reps):
-        a.append(ours())
-        b.append(theirs())
-    ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
-    return statistics.median(a), statistics.median(b), ratio
 
 
 def _load_llamacpp(threads: int, context: int) -> Any | None:
@@ -172,12 +160,12 @@ def _bench_llamacpp(
     dev, vocab = torch.device("cpu"), engine.spec.vocab_size
     prompt = _prompt(prefill_tokens, vocab, 1)
     log(f"prefill of {prefill_tokens} tokens, engine and llama.cpp")
-    _, t_theirs, pre_ratio = _paired(
+    _, t_theirs, pre_ratio = paired(
         lambda: _timed(lambda: engine.prefill(prompt), dev), _llamacpp_prefill(llm, prompt), reps
     )
     log(f"decode of {decode_tokens} tokens after {LLAMACPP_DECODE_PROMPT}, engine and llama.cpp")
     p = _prompt(LLAMACPP_DECODE_PROMPT, vocab, 4)
-    d_ours, d_theirs, dec_ratio = _paired(
+    d_ours, d_theirs, dec_ratio = paired(
         _engine_decode(engine, [p], decode_tokens, dev),
         _llamacpp_decode(llm, p, decode_tokens),
         reps,
@@ -203,11 +191,11 @@ def _bench_eager(
                    attention=engine.attention, gemm=engine.gemm)  # fmt: skip
     log(f"decode of {tokens} tokens, batch 1 and 8, {path} and eager steps")
     p1 = _prompt(prompt_len, engine.spec.vocab_size, 2)
-    _, t_eager, ratio = _paired(
+    _, t_eager, ratio = paired(
         _engine_decode(engine, [p1], tokens, dev), _engine_decode(eager, [p1], tokens, dev), reps
     )
     p8 = [_prompt(prompt_len + 8 * i, engine.spec.vocab_size, 10 + i) for i in range(8)]
-    _, t_eager8, ratio8 = _paired(
+    _, t_eager8, ratio8 = paired(
         _engine_decode(engine, p8, tokens, dev), _engine_decode(eager, p8, tokens, dev), reps
     )
     return {
@@ -233,7 +221,7 @@ def _bench_float32(
             - ref.prefill(prompt, all_logits=True).logits).abs().max().item()  # fmt: skip
     log(f"decode of {tokens} tokens, batch 1, quantized and float32 weights")
     p1 = _prompt(prompt_len, engine.spec.vocab_size, 2)
-    _, t_float, ratio = _paired(
+    _, t_float, ratio = paired(
         _engine_decode(engine, [p1], tokens, dev), _engine_decode(ref, [p1], tokens, dev), reps
     )
     return {
@@ -345,13 +333,13 @@ def _bench_prefill(
             engine.prefill(prompt)
 
     log(f"prefill of {tokens} tokens, engine and reference")
-    t_pre, t_ref, ratio = _paired(
+    t_pre, t_ref, ratio = paired(
         lambda: _timed(lambda: engine.prefill(prompt), dev),
         lambda: _timed(ref_prefill, dev),
         reps,
     )
     log(f"prefill of {tokens} tokens, temporaries from the heap and mapped one by one")
-    _, t_mapped, heap_ratio = _paired(
+    _, t_mapped, heap_ratio = paired(
         lambda: _timed(lambda: engine.prefill(prompt), dev),
         lambda: _timed(mapped_prefill, dev),
         reps,
@@ -383,14 +371,14 @@ def _bench_decode(
     vocab = engine.spec.vocab_size
     log(f"decode of {tokens} tokens, batch 1, engine and reference")
     p1 = _prompt(prompt_len, vocab, 2)
-    t_dec1, t_ref1, ratio = _paired(
+    t_dec1, t_ref1, ratio = paired(
         _engine_decode(engine, [p1], tokens, dev),
         _reference_decode(ref, p1, tokens, dev),
         reps,
     )
     log(f"decode of {tokens} tokens, batch 8 and batch 1")
     p8 = [_prompt(prompt_len + 8 * i, vocab, 10 + i) for i in range(8)]
-    t_dec8, _, b8_ratio = _paired(
+    t_dec8, _, b8_ratio = paired(
         _engine_decode(engine, p8, tokens, dev),
         _engine_decode(engine, [p1], tokens, dev),
         reps,
@@ -412,7 +400,7 @@ def _bench_prefix(engine: Engine, reps: int, dev: torch.device, log: Log) -> dic
     full = engine.prefill(long)
     blocks = engine.blocks(full.kv)[: PREFIX_CACHED // PREFIX_BLOCK]
     del full
-    t_hit, t_cold, speedup = _paired(
+    t_hit, t_cold, speedup = paired(
         lambda: _timed(lambda: engine.prefill(long, prefix=engine.prefix_from_blocks(blocks)), dev),
         lambda: _timed(lambda: engine.prefill(long), dev),
         reps,

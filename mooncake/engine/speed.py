@@ -1,0 +1,53 @@
+"""Which of two ways of computing one thing runs faster on this machine, measured in this
+process: the one paired timing `bench engine` reports its ratios with, and the engine uses
+to take a faster path only where it is one.
+
+A CPU's flags say what it can run, not how fast: on a 2-vCPU Xeon (family 6, model 207)
+whose VM exposes AVX512_BF16 but no AMX, oneDNN's bfloat16 GEMMs of SmolLM2's shapes ran at
+0.11-0.15 TFLOP/s against float32's 0.20-0.26, and the native bfloat16 prefill attention
+made a 2,048-token prefill ~9 % slower; with AMX the same GEMMs ran 4-8x faster than
+float32, and on a Zen 4 EPYC the bfloat16 attention ~1.6x faster (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+# A faster path must take at most 1 / FASTER of the other's time, so that a noisy machine
+# does not pick a path that merely tied.
+FASTER = 1.1
+
+
+def paired(
+    ours: Callable[[], float], theirs: Callable[[], float], reps: int
+) -> tuple[float, float, float]:
+    """(median ours, median theirs, median of the per-repetition ratios theirs/ours), each
+    callable returning the seconds it took. The two run back to back in each repetition,
+    after one warm-up each, so a burst of load from elsewhere on the machine hits both sides
+    of a pair."""
+    ours(), theirs()
+    a, b = [], []
+    for _ in range(reps):
+        a.append(ours())
+        b.append(theirs())
+    ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
+    return statistics.median(a), statistics.median(b), ratio
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """`fn` as a callable returning the seconds one call of it took (CPU work)."""
+
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
+def speedup(candidate: Callable[[], object], baseline: Callable[[], object], reps: int = 5
+            ) -> float:  # fmt: skip
+    """How many times faster `candidate` runs than `baseline` here (paired, medians)."""
+    return paired(timed(candidate), timed(baseline), reps)[2]
