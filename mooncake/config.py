@@ -145,7 +145,8 @@ class EngineSettings(BaseModel):
     # bucket on a GPU (engine.graphs); eager: the model's forward, op by op (same math).
     decode: Literal["fused", "eager"] = "fused"
     # Prefill attention's products (the CPU's native kernel): float32, or bfloat16 where the
-    # CPU has AVX512_BF16 dot products (float32 elsewhere, with a warning): ~1.5x faster
+    # CPU has AVX512_BF16 dot products and that kernel measures >= 1.1x float32's speed at
+    # start (float32 elsewhere, with a warning; ~0.65x on a Xeon without AMX): ~1.5x faster
     # attention (the part of a prefill that grows with the prompt's square), queries, keys,
     # values and softmax weights rounded to bfloat16 (sums in float32), as GPU servers run
     # bf16 models and llama.cpp its f16 KV.
@@ -153,11 +154,13 @@ class EngineSettings(BaseModel):
     # positions of a random 512-token prompt (BENCHMARKS.md).
     attention: Literal["float32", "bfloat16"] = "float32"
     # Prefill GEMMs' products over the quantized weights: float32, or bfloat16 where the CPU
-    # multiplies bfloat16 matrices in hardware (AMX tiles, AVX512_BF16; float32 elsewhere,
-    # with a warning): on a 2-vCPU Xeon with AMX, a 512-token prefill ~1.9x and a 2,048-token
-    # one ~1.7x faster. Weights and activations rounded to bfloat16, the products summed in
-    # float32 (oneDNN): SmolLM2's logits move from float32's as far as transformers' own
-    # bfloat16 model's do (BENCHMARKS.md). Decode steps stay float32.
+    # multiplies bfloat16 matrices in hardware (AMX tiles, AVX512_BF16) and oneDNN's
+    # bfloat16 GEMM measures >= 1.1x float32's speed at start (float32 elsewhere, with a
+    # warning; 0.65x with AVX512_BF16 but no AMX on a Xeon): on a 2-vCPU Xeon with AMX, a
+    # 512-token prefill ~1.9x and a 2,048-token one ~1.7x faster. Weights and activations
+    # rounded to bfloat16, the products summed in float32 (oneDNN): SmolLM2's logits move
+    # from float32's as far as transformers' own bfloat16 model's do
+    # (BENCHMARKS.md). Decode steps stay float32.
     gemm: Literal["float32", "bfloat16"] = "float32"
     dummy: DummyModel = DummyModel()
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV

@@ -88,11 +88,12 @@ class Engine:
         fast = decode == "fused"
         self.fused = FusedDecode.of(model, self.pool) if fast else None
         self.graphs = GraphDecode.of(model, self.pool) if fast else None
-        # "bfloat16": prefill attention's products in bfloat16 where the CPU has them
-        # (EngineSettings.attention).
+        # "bfloat16": prefill attention's products in bfloat16 where the CPU has them and
+        # they measure faster (EngineSettings.attention; paged.prefill_kernel).
         self.attention = attention
         # "bfloat16": prefill GEMMs over quantized weights in bfloat16 where the CPU has
-        # bfloat16 matrix instructions (EngineSettings.gemm; Decoder.use_bf16_gemms). The
+        # bfloat16 matrix instructions that measure faster (EngineSettings.gemm;
+        # Decoder.use_bf16_gemms, gemm.bf16_gemms_fast). The
         # model is this engine's: the choice is set on it.
         self.gemm = gemm
         model.use_bf16_gemms(gemm == "bfloat16")

@@ -6,10 +6,13 @@ docstrings; BENCHMARKS.md, "bench engine"). Weights kept in quantized blocks are
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from mooncake.engine.speed import FASTER, speedup
 
 SMALL_ROWS = 16  # at most this many rows (decode batches): decode-specific fast paths
 PACK_MIN_ROWS = 3  # from this many rows: oneDNN over a packed weight (CPU, float32)
@@ -76,15 +79,43 @@ def onednn_usable(x: Tensor, weight: Tensor, dtypes: tuple[torch.dtype, ...] = (
     )
 
 
-@functools.cache
 def bf16_gemms_fast() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware that oneDNN uses: AMX tiles
-    (Sapphire Rapids and later Xeons) or AVX512_BF16 dot products (also Zen 4 and 5). On a
-    2-vCPU Xeon with AMX (BENCHMARKS.md, 2026-11-28), oneDNN's bfloat16 GEMMs of SmolLM2's
-    shapes ran at 1.0-2.3 TFLOP/s against 0.24-0.29 in float32."""
+    """Whether prefill GEMMs multiply faster in bfloat16 than in float32 on this CPU: it has
+    bfloat16 instructions that oneDNN uses (AMX tiles, Sapphire Rapids and later Xeons, or
+    AVX512_BF16 dot products, also Zen 4 and 5) and, measured, oneDNN's bfloat16 GEMM runs
+    at least speed.FASTER times float32's (bf16_gemm_speedup): instructions alone are not
+    enough. On a 2-vCPU Xeon with AMX (BENCHMARKS.md, 2026-11-28), SmolLM2's shapes ran at
+    1.0-2.3 TFLOP/s in bfloat16 against 0.24-0.29 in float32; on one whose VM hides AMX but
+    has AVX512_BF16, at 0.11-0.15 against 0.20-0.26."""
+    speed = bf16_gemm_speedup()
+    return speed is not None and speed >= FASTER
+
+
+@functools.cache
+def bf16_instructions() -> bool:
+    """Whether this CPU has bfloat16 instructions oneDNN's GEMMs use (see bf16_gemms_fast)."""
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return ONEDNN and any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
+
+
+@functools.cache
+def bf16_gemm_speedup() -> float | None:
+    """How many times faster oneDNN multiplies a prefill-sized GEMM (256 rows of 1,024 by
+    1,536 x 1,024) in bfloat16 than in float32 here, at torch's thread count when first
+    asked (speed.speedup: paired, ~0.1 s once a process); None where the CPU has no bfloat16
+    instructions oneDNN uses."""
+    if not bf16_instructions():
+        return None
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(256, 1024, generator=g), torch.randn(1536, 1024, generator=g)
+    xb, wb = x.bfloat16(), w.bfloat16()
+
+    def product(a: Tensor, b: Tensor) -> Callable[[], object]:
+        return lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+    with torch.inference_mode():
+        return speedup(product(xb, wb), product(x, w))
 
 
 def linear(x: Tensor, weight: Tensor, packed: PackedWeight | None = None) -> Tensor:
@@ -125,7 +156,7 @@ def dense(x2: Tensor, weight: Tensor) -> Tensor:
     weight 360-470 (MKL takes its AVX2 kernels on AMD, oneDNN its AVX-512 ones); on a Zen 3
     EPYC (AVX2 only) the two run equally fast. Same float32 math, the sums in another order."""
     # bfloat16 by oneDNN only where the CPU has its instructions (F.linear elsewhere).
-    dtypes = (torch.float32, torch.bfloat16) if bf16_gemms_fast() else (torch.float32,)
+    dtypes = (torch.float32, torch.bfloat16) if bf16_instructions() else (torch.float32,)
     if onednn_usable(x2, weight, dtypes):
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
             x2.contiguous(), weight.contiguous(), None, "none", [], ""

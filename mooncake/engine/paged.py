@@ -3,9 +3,10 @@
 - `PagedPrefill`: S new tokens of one sequence at positions start..start+S-1. Their k, v are
   written into the sequence's pages. On the CPU in float32 the attention is then the
   native prefill kernel (engine.native), which reads every key, cached or new, in place
-  from its pages (multiplying in bfloat16 where the engine asks for it and the CPU has
-  AVX512_BF16). Elsewhere: with nothing cached, the fused causal kernel over the new
-  tokens themselves (no pool read); otherwise the cached positions are read out of their
+  from its pages (multiplying in bfloat16 where the engine asks for it, the CPU has
+  AVX512_BF16 and that build measures faster here: `bf16_attention_speedup`). Elsewhere:
+  with nothing cached, the fused causal kernel over the new tokens themselves (no pool
+  read); otherwise the cached positions are read out of their
   pages once per layer and the new tokens attend to them and to themselves (on CUDA
   through the fused causal kernel aligned to the bottom right, no mask; on a CPU without
   a C compiler as two flash calls merged by their log-sum-exps, `merged_suffix_attention`;
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +28,7 @@ from torch import Tensor
 from mooncake.engine import native
 from mooncake.engine.model import attention, causal_suffix_attention, merged_suffix_attention
 from mooncake.engine.pool import KVPool, PagedKV, pages_for
+from mooncake.engine.speed import FASTER, speedup
 
 # A prefill over a cached prefix attends in runs of this many query rows: the kernel makes a
 # float mask of [rows, keys] out of the boolean one, so an 8k-token prompt in one run held a
@@ -39,10 +42,38 @@ NATIVE_PREFILL = True
 
 def prefill_kernel(pool: KVPool, bf16: bool = False) -> native.PagedPrefill | None:
     """The native prefill kernel for `pool`'s shape, where prefill attention takes it (a CPU
-    pool of float32); `bf16`: its bfloat16 products where the CPU has them."""
-    if NATIVE_PREFILL and pool.device.type == "cpu" and pool.dtype == torch.float32:
-        return native.load_prefill(pool.shape.head_dim, pool.page_tokens, bf16=bf16)
-    return None
+    pool of float32); `bf16`: its bfloat16 build where the CPU has AVX512_BF16 and that
+    build runs at least speed.FASTER times the float32 one's speed here
+    (bf16_attention_speedup), else the float32 build."""
+    if not (NATIVE_PREFILL and pool.device.type == "cpu" and pool.dtype == torch.float32):
+        return None
+    dim, page = pool.shape.head_dim, pool.page_tokens
+    if bf16 and (bf16_attention_speedup(dim, page) or 0.0) >= FASTER:
+        return native.load_prefill(dim, page, bf16=True)
+    return native.load_prefill(dim, page)
+
+
+@functools.cache
+def bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | None:
+    """How many times faster the native prefill kernel's bfloat16 build runs than its
+    float32 one here: 256 new rows of 3 KV heads of 3 query heads each after 1,792 cached
+    keys, at torch's thread count when first asked (speed.speedup: paired, ~0.1 s once a
+    process). None where there is no bfloat16 build (no AVX512_BF16, a head of other than a
+    multiple of 32 floats, no C compiler). Faster on a Zen 4 EPYC (~1.6x); ~0.9x on a Xeon
+    without AMX (speed's docstring)."""
+    f32 = native.load_prefill(head_dim, page_tokens)
+    bf = native.load_prefill(head_dim, page_tokens, bf16=True)
+    if f32 is None or bf is None or not bf.bf16:
+        return None
+    kv_heads, group, start, new = 3, 3, 1792, 256
+    pages = pages_for(start + new, page_tokens)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(pages, kv_heads, head_dim, page_tokens, generator=g)
+    v = torch.randn(pages, kv_heads, page_tokens, head_dim, generator=g)
+    q = torch.randn(new, kv_heads * group, head_dim, generator=g)
+    table, scale = torch.arange(pages, dtype=torch.int32), head_dim**-0.5
+    return speedup(lambda: bf(q, k, v, table, start, scale),
+                   lambda: f32(q, k, v, table, start, scale))  # fmt: skip
 
 
 class PagedPrefill:

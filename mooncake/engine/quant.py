@@ -33,7 +33,9 @@ dequantized to bfloat16 (the file's values rounded to the nearest even) into the
 buffer, the activations rounded to bfloat16, and oneDNN's bfloat16 GEMM sums the products
 in float32 and rounds the result to bfloat16 (returned as float32). Where the CPU has AMX
 tiles this is ~4-8x the float32 GEMM's speed (a 2-vCPU Xeon, SmolLM2's shapes: 1.0-2.3
-against 0.24-0.29 TFLOP/s); the price is bfloat16's rounding, as in a bfloat16 model.
+against 0.24-0.29 TFLOP/s), but ~0.65x where it has AVX512_BF16 alone (a Xeon whose VM
+hides AMX), so the engine takes it only where it measures faster (gemm.bf16_gemms_fast);
+the price is bfloat16's rounding, as in a bfloat16 model.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from mooncake.engine import (
     SamplingParams,
     block_from_bytes,
     block_to_bytes,
+    gemm,
     native,
     paged,
 )
@@ -86,13 +87,15 @@ def test_native_prefill_attention_gives_the_torch_paths_logits(
 
 
 def test_bfloat16_prefill_attention_is_float32s_within_its_rounding(
-    engine: Engine, chat: Callable[[str], list[int]]
+    engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """engine.attention = bfloat16 (where the CPU has AVX512_BF16): a cached prefix gives
+    """engine.attention = bfloat16 (where the CPU has AVX512_BF16; measured faster or not,
+    which this test does not ask: see test_speed): a cached prefix gives
     what the same bfloat16 prefill gives cold (each row's products are the same, so only
     the GEMMs' blocking differs: ATOL, the same argmax), and the logits stay near float32's:
     the same next token, and the gaps no larger than what SmolLM2 showed on random prompts
     (0.6 at worst; a key at the wrong position moves them by several)."""
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 2.0)
     bf16 = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
                   attention="bfloat16")  # fmt: skip
     if bf16.prefill_attention != "native bfloat16":
@@ -116,13 +119,17 @@ BF16_GEMM_LOGIT_GAP = 1.5  # SmolLM2, this prompt: 0.61 cold, 0.39 cached on a X
 
 
 def test_bfloat16_prefill_gemms_stay_near_float32(
-    engine: Engine, chat: Callable[[str], list[int]]
+    engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """engine.gemm = bfloat16 (where the CPU has AMX or AVX512_BF16): prefills' GEMMs over
+    """engine.gemm = bfloat16 (where the CPU has AMX or AVX512_BF16; measured faster or not,
+    which this test does not ask: see test_speed): prefills' GEMMs over
     the quantized weights multiply in bfloat16. The logits stay near float32's (the same
     next token, gaps of bfloat16's rounding: BF16_GEMM_LOGIT_GAP), cold or over a cached
     prefix; a GEMM's rows change oneDNN's order of sums, so a cached prefill is not
     bit-equal to a cold one as in float32, only as near. The model's choice is put back."""
+    import mooncake.engine.model as model_module
+
+    monkeypatch.setattr(model_module, "bf16_gemms_fast", gemm.bf16_instructions)
     tokens = chat(PROMPT)
     reference = engine.prefill(tokens, all_logits=True).logits
     try:
@@ -151,8 +158,8 @@ def test_bfloat16_prefill_gemms_stay_near_float32(
 def test_bfloat16_gemms_fall_back_to_float32_where_the_cpu_lacks_them(
     engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Asked for where the CPU has no bfloat16 matrix instructions: float32, the same
-    logits as the default."""
+    """Asked for where the CPU has no bfloat16 matrix instructions, or where they measured
+    slower than float32 (gemm.bf16_gemms_fast): float32, the same logits as the default."""
     import mooncake.engine.model as model_module
 
     monkeypatch.setattr(model_module, "bf16_gemms_fast", lambda: False)
@@ -249,3 +256,28 @@ def test_a_workers_attention_setting_reaches_its_engine(monkeypatch: pytest.Monk
     monkeypatch.setenv("MOONCAKE_ENGINE__ATTENTION", "float16")
     with pytest.raises(ValidationError, match="'float32' or 'bfloat16'"):
         load_settings()
+
+
+def test_a_worker_asked_for_bfloat16_that_measures_slower_runs_float32_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """engine.attention = bfloat16 where the bfloat16 kernel measured slower (as on a Xeon
+    whose VM hides AMX): the worker runs float32 attention and its warning gives the ratio."""
+    import logging
+
+    from mooncake.config import load_settings
+    from mooncake.serving.models import build_engine
+
+    small = {"MOONCAKE_ENGINE__MODEL": "dummy", "MOONCAKE_ENGINE__DUMMY__LAYERS": "1",
+             "MOONCAKE_ENGINE__DUMMY__CONTEXT": "64",
+             "MOONCAKE_ENGINE__ATTENTION": "bfloat16"}  # fmt: skip
+    for key, value in small.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 0.65)
+    with caplog.at_level(logging.WARNING):
+        engine = build_engine(load_settings())
+    assert engine.attention == "bfloat16"
+    if engine.prefill_attention == "torch":
+        pytest.skip("no native prefill kernel here")
+    assert engine.prefill_attention == "native float32"
+    assert "ran 0.65x as fast as float32's here" in caplog.text

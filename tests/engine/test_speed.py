@@ -1,0 +1,96 @@
+"""bfloat16 paths are taken where they measure faster here, not wherever the CPU has the
+instructions (engine.speed, gemm.bf16_gemms_fast, paged.prefill_kernel)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from mooncake.engine import KVPool, ModelSpec, gemm, native, paged
+from mooncake.engine.speed import FASTER, paired, speedup
+
+
+def test_paired_gives_medians_and_the_median_of_the_pairs_ratios() -> None:
+    ours = iter([1.0, 2.0, 3.0, 10.0]).__next__  # the first call of each is the warm-up
+    theirs = iter([9.0, 4.0, 2.0, 30.0]).__next__
+    a, b, ratio = paired(ours, theirs, 3)
+    assert (a, b) == (3.0, 4.0)
+    assert ratio == 2.0  # the ratios 2, 2/3, 3
+
+
+def test_speedup_tells_the_faster_of_two_ways() -> None:
+    fast, slow = (lambda: time.sleep(0.002)), (lambda: time.sleep(0.02))
+    assert speedup(fast, slow, reps=3) > 3
+    assert speedup(slow, fast, reps=3) < 1 / 3
+
+
+@pytest.mark.parametrize(("measured", "taken"), [(None, False), (0.65, False), (FASTER, True),
+                                                 (4.0, True)])  # fmt: skip
+def test_bf16_gemms_are_taken_only_where_they_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, measured: float | None, taken: bool
+) -> None:
+    monkeypatch.setattr(gemm, "bf16_gemm_speedup", lambda: measured)
+    assert gemm.bf16_gemms_fast() is taken
+
+
+def test_the_bf16_gemm_probe_measures_where_the_instructions_are() -> None:
+    measured = gemm.bf16_gemm_speedup()
+    if not gemm.bf16_instructions():
+        assert measured is None
+        return
+    assert measured is not None and math.isfinite(measured) and measured > 0
+
+
+def _pool() -> KVPool:
+    spec = ModelSpec(64, 576, 1, 9, 3, 64, 256)  # vocab, hidden, layers, heads, kv_heads..
+    return KVPool(spec, torch.float32, torch.device("cpu"), budget_bytes=1 << 20, page_tokens=16)
+
+
+@pytest.mark.parametrize("measured", [None, 0.6, FASTER * 0.99])
+def test_bf16_attention_below_the_bar_takes_the_float32_build(
+    monkeypatch: pytest.MonkeyPatch, measured: float | None
+) -> None:
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: measured)
+    kernel = paged.prefill_kernel(_pool(), bf16=True)
+    if native.load_prefill(64, 16) is None:
+        pytest.skip("no native prefill kernel here (no C compiler)")
+    assert kernel is not None and not kernel.bf16
+    assert kernel is native.load_prefill(64, 16)
+
+
+def test_bf16_attention_measured_faster_takes_the_bf16_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    build = native.load_prefill(64, 16, bf16=True)
+    if build is None or not build.bf16:
+        pytest.skip("no bfloat16 prefill build here (AVX512_BF16)")
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: FASTER)
+    kernel = paged.prefill_kernel(_pool(), bf16=True)
+    assert kernel is build and kernel.bf16
+    assert not paged.prefill_kernel(_pool()).bf16  # not asked for: float32
+
+
+def test_the_bf16_attention_probe_measures_where_there_is_a_build() -> None:
+    measured = paged.bf16_attention_speedup(64, 16)
+    build = native.load_prefill(64, 16, bf16=True)
+    if build is None or not build.bf16:
+        assert measured is None
+        return
+    assert measured is not None and math.isfinite(measured) and measured > 0
+
+
+def test_a_probe_leaves_torch_as_it_found_it() -> None:
+    """The probes run under inference mode with their own generator: the global RNG and
+    grad mode are untouched (a worker's sampling seeds stay reproducible)."""
+    gemm.bf16_gemm_speedup.cache_clear()
+    paged.bf16_attention_speedup.cache_clear()
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    gemm.bf16_gemm_speedup()
+    paged.bf16_attention_speedup(64, 16)
+    assert torch.equal(torch.rand(3), want)
+    assert torch.is_grad_enabled()
