@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Literal
 
 import typer
 from rich.console import Console
@@ -23,6 +24,23 @@ def settings_or_exit(**overrides: object) -> Settings:
     except Exception as exc:  # a bad MOONCAKE_* value or option: say which, do not trace back
         err.print(f"[red]invalid configuration:[/red] {exc}")
         raise typer.Exit(2) from exc
+
+
+ATTENTION_HELP = (
+    "Prefill attention's products: float32, or bfloat16 where the CPU has AVX512_BF16 and "
+    "it measures faster there (engine.attention)"
+)
+GEMM_HELP = (
+    "Prefill GEMMs' products over quantized weights: float32, or bfloat16 where the CPU has "
+    "AMX or AVX512_BF16 and it measures faster there (engine.gemm)"
+)
+
+
+def precision(value: str, option: str) -> Literal["float32", "bfloat16"]:
+    """An --attention / --gemm value, or a usage error (exit 2) naming the choices."""
+    if value not in ("float32", "bfloat16"):
+        raise typer.BadParameter("float32 or bfloat16", param_hint=option)
+    return "bfloat16" if value == "bfloat16" else "float32"
 
 
 KV_CACHE_HELP = (

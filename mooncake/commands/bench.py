@@ -9,7 +9,14 @@ from typing import Annotated, Any
 
 import typer
 
-from mooncake.cli_common import err, print_result, settings_or_exit
+from mooncake.cli_common import (
+    ATTENTION_HELP,
+    GEMM_HELP,
+    err,
+    precision,
+    print_result,
+    settings_or_exit,
+)
 from mooncake.trace_fit import FitMode
 
 bench_app = typer.Typer(
@@ -184,20 +191,8 @@ def bench_engine(
             "llama-1b | llama-8b (bfloat16 on CUDA, float32 on the CPU)"
         ),
     ] = None,
-    attention: Annotated[
-        str,
-        typer.Option(
-            help="Prefill attention's products: float32, or bfloat16 where the CPU has "
-            "AVX512_BF16 and it measures faster there (engine.attention)"
-        ),
-    ] = "float32",
-    gemm: Annotated[
-        str,
-        typer.Option(
-            help="Prefill GEMMs' products over quantized weights: float32, or bfloat16 where "
-            "the CPU has AMX or AVX512_BF16 and it measures faster there (engine.gemm)"
-        ),
-    ] = "float32",
+    attention: Annotated[str, typer.Option(help=ATTENTION_HELP)] = "float32",
+    gemm: Annotated[str, typer.Option(help=GEMM_HELP)] = "float32",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """SmolLM2 prefill/decode speed vs transformers' LlamaForCausalLM (and llama.cpp where
@@ -208,10 +203,7 @@ def bench_engine(
 
     if weights not in ("quantized", "float32"):
         raise typer.BadParameter("quantized or float32", param_hint="--weights")
-    if attention not in ("float32", "bfloat16"):
-        raise typer.BadParameter("float32 or bfloat16", param_hint="--attention")
-    if gemm not in ("float32", "bfloat16"):
-        raise typer.BadParameter("float32 or bfloat16", param_hint="--gemm")
+    attention_p, gemm_p = precision(attention, "--attention"), precision(gemm, "--gemm")
     if shape is not None and shape not in SHAPES:
         raise typer.BadParameter(" | ".join(SHAPES), param_hint="--shape")
     try:
@@ -224,8 +216,8 @@ def bench_engine(
             device=device,
             weights="quantized" if weights == "quantized" else "float32",
             shape=shape,
-            attention="bfloat16" if attention == "bfloat16" else "float32",
-            gemm="bfloat16" if gemm == "bfloat16" else "float32",
+            attention=attention_p,
+            gemm=gemm_p,
             log=lambda m: err.print(m, markup=False),  # "[anchors]" is no markup tag
         )
     except EngineError as exc:

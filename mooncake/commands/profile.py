@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from mooncake.cli_common import err
+from mooncake.cli_common import ATTENTION_HELP, GEMM_HELP, err, precision, settings_or_exit
 
 profile_app = typer.Typer(help="Profiles the cost model fits", no_args_is_help=True)
 
@@ -38,9 +38,15 @@ def profile_engine_cmd(
     reps: Annotated[int, typer.Option(min=1, help="Timed repetitions (median)")] = 3,
     threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
     device: Annotated[str, typer.Option(help="torch device")] = "cpu",
+    attention: Annotated[
+        str | None, typer.Option(help=f"{ATTENTION_HELP}; default: the setting")
+    ] = None,
+    gemm: Annotated[str | None, typer.Option(help=f"{GEMM_HELP}; default: the setting")] = None,
 ) -> None:
     """Time prefill over (prompt, cached prefix) and decode steps over (batch, context) on
-    the real engine (SmolLM2 unless --dummy); write a mooncake.profile/1 JSON."""
+    the real engine (SmolLM2 unless --dummy), as a worker runs it (its weights packed, its
+    engine.attention and engine.gemm settings unless given here); write a
+    mooncake.profile/1 JSON."""
     from pathlib import Path
 
     import torch
@@ -49,6 +55,9 @@ def profile_engine_cmd(
     from mooncake.engine.gguf_loader import load_gguf, smollm2_path
     from mooncake.engine.profile import pool_tokens_for, profile_engine
 
+    configured = settings_or_exit().engine
+    attention_p = precision(attention or configured.attention, "--attention")
+    gemm_p = precision(gemm or configured.gemm, "--gemm")
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -59,6 +68,7 @@ def profile_engine_cmd(
         else:
             loaded = load_gguf(smollm2_path(), device=device)
             model, tokenizer, name = loaded.model, loaded.tokenizer, loaded.name
+        model.pack_weights()  # as a worker holds them (serving.models.build_engine)
         grid = {k: _int_list(v) for k, v in
                 (("prompts", prompts), ("cached", cached), ("batches", batches),
                  ("contexts", contexts))}  # fmt: skip
@@ -67,7 +77,8 @@ def profile_engine_cmd(
                                  block_tokens, reps, model.spec.context)  # fmt: skip
         per_token = model.spec.kv_bytes_per_token(model.dtype.itemsize)
         engine = Engine(model, tokenizer, block_tokens=block_tokens,
-                        kv_budget_bytes=tokens * per_token)  # fmt: skip
+                        kv_budget_bytes=tokens * per_token, attention=attention_p,
+                        gemm=gemm_p)  # fmt: skip
         err.print(
             f"KV pool for the grids: {tokens:,} tokens ({tokens * per_token / 2**30:.2f} GiB)"
         )

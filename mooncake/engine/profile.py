@@ -165,7 +165,8 @@ def profile_engine(
         "model": model_name,
         "device": f"{device}, {str(engine.model.dtype).removeprefix('torch.')}, "
         f"{'quantized' if engine.model.quantized() else 'float32'} weights, "
-        f"{engine.decode_path} decode",
+        f"{engine.decode_path} decode, {engine.prefill_attention} prefill attention, "
+        f"{engine.prefill_gemm} prefill GEMMs",
         "prefill": profile_prefill(engine, prompts, cached, reps, log),
         "decode": profile_decode(engine, batches, contexts, reps, log),
     }

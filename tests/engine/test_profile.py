@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from mooncake.cli import app
 from mooncake.core.cost_model import PROFILE_SCHEMA, parse_profile
-from mooncake.engine import Engine, ModelSpec, dummy_model
+from mooncake.engine import Engine, ModelSpec, dummy_model, native, paged
 from mooncake.engine.profile import profile_engine
 
 SPEC = ModelSpec(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, context=256)
@@ -113,3 +114,30 @@ def test_calibration_on_a_pool_too_small_times_what_fits_and_never_raises() -> N
     engine = Engine(model, block_tokens=16, kv_budget_bytes=least)  # one context, no more
     assert calibrate(engine, "prefill") == []  # 64 and 512 tokens: over the 32-token context
     assert calibrate(engine, "decode") == []  # 4 x 256 tokens: no room, not tried
+
+
+def test_cli_profiles_the_engine_a_worker_would_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profile's engine takes the engine.attention / engine.gemm settings (a worker's),
+    unless --attention / --gemm say otherwise, and its document names what ran; a value
+    that is no precision is a usage error (exit 2) naming the choices."""
+    out = tmp_path / "profile.json"
+    head_dim_32 = [*TINY, "--hidden", "64", "--heads", "2", "--kv-heads", "1"]  # last wins
+    args = [*head_dim_32, "--prompts", "32", "--cached", "0", "--batches", "1", "--contexts",
+            "16", "--out", str(out)]  # fmt: skip
+    monkeypatch.setenv("MOONCAKE_ENGINE__ATTENTION", "bfloat16")
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 2.0)
+    bf16 = native.load_prefill(32, 16, bf16=True)
+    f32 = "native float32" if native.load_prefill(32, 16) is not None else "torch"
+    want = "native bfloat16" if bf16 is not None and bf16.bf16 else f32
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (
+        f"{want} prefill attention, float32 prefill GEMMs" in json.loads(out.read_text())["device"]
+    )
+    result = CliRunner().invoke(app, [*args, "--attention", "float32"])
+    assert result.exit_code == 0, result.output
+    assert f"{f32} prefill attention" in json.loads(out.read_text())["device"]
+    bad = CliRunner().invoke(app, [*args, "--gemm", "int8"])
+    assert bad.exit_code == 2 and "float32 or bfloat16" in bad.output
