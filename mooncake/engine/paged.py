@@ -6,11 +6,11 @@
   from its pages (multiplying in bfloat16 where the engine asks for it, the CPU has
   AVX512_BF16 and that build measures faster here: `bf16_attention_speedup`). Elsewhere:
   with nothing cached, the fused causal kernel over the new tokens themselves (no pool
-  read); otherwise the cached positions are read out of their
-  pages once per layer and the new tokens attend to them and to themselves (on CUDA
-  through the fused causal kernel aligned to the bottom right, no mask; on a CPU without
-  a C compiler as two flash calls merged by their log-sum-exps, `merged_suffix_attention`;
-  with a mask per run of rows only where this torch lacks that kernel).
+  read); otherwise the cached positions are read out of their pages once per layer and
+  the new tokens attend to them and to themselves (on CUDA through the fused causal
+  kernel aligned to the bottom right, no mask; on a CPU without a C compiler as two flash
+  calls merged by their log-sum-exps, `merged_suffix_attention`; with a mask per run of
+  rows only where this torch lacks that kernel).
 - `PagedDecode`: one new token per sequence for a whole batch. The new k, v go into each
   sequence's next page slot, then attention reads every sequence's pages through its block
   table: by the native kernel (engine.native) on the CPU in float32, else by gathering the
@@ -59,8 +59,8 @@ def bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | None:
     float32 one here: 256 new rows of 3 KV heads of 3 query heads each after 1,792 cached
     keys, at torch's thread count when first asked (speed.speedup: paired, ~0.1 s once a
     process). None where there is no bfloat16 build (no AVX512_BF16, a head of other than a
-    multiple of 32 floats, no C compiler). Faster on a Zen 4 EPYC (~1.6x); ~0.9x on a Xeon
-    without AMX (speed's docstring)."""
+    multiple of 32 floats, no C compiler). ~1.6x on a Zen 4 EPYC; 0.60-0.70x on a Xeon
+    whose VM exposes AVX512_BF16 without AMX (engine.speed)."""
     f32 = native.load_prefill(head_dim, page_tokens)
     bf = native.load_prefill(head_dim, page_tokens, bf16=True)
     if f32 is None or bf is None or not bf.bf16:
@@ -78,7 +78,7 @@ def bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | None:
 
 class PagedPrefill:
     """`bf16`: the native kernel multiplies in bfloat16 where the CPU has AVX512_BF16 dot
-    products (EngineSettings.attention)."""
+    products and they measure faster (EngineSettings.attention; prefill_kernel)."""
 
     def __init__(self, kv: PagedKV, start: int, new: int, *, bf16: bool = False) -> None:
         self.kv, self.pool, self.start, self.new = kv, kv.pool, start, new
