@@ -45,6 +45,10 @@ machine lands on both sides of a pair rather than on one side's median.
   bfloat16 GEMM measured faster, gemm.bf16_gemm_speedup: weight slices
   dequantized to bfloat16, oneDNN's bfloat16 GEMM). `ref_argmax_agreement`,
   `ref_logits_max_abs_diff` and `logits_max_abs_diff` then include its rounding.
+- `bf16_gemm_speedup` / `bf16_attention_speedup`: what the engine measures before it takes
+  bfloat16 (engine.speed): how many times faster oneDNN's bfloat16 GEMM and the bfloat16
+  prefill attention build ran than float32's on this CPU (bfloat16 is taken at >= 1.1,
+  where asked for); null where there are no bfloat16 instructions or build.
 - `decode_path`: how decode steps run (`fused`: each layer in one native call, engine.fused;
   `eager`: the model's forward op by op).
   With `fused`, the same decode op by op in the same run: `eager_decode_tok_s_b1` / `_b8`
@@ -75,9 +79,11 @@ from mooncake import memory
 from mooncake.engine import DecodeBatch, Engine, SamplingParams
 from mooncake.engine.dummy import SHAPES, dummy_model
 from mooncake.engine.errors import EngineError
+from mooncake.engine.gemm import bf16_gemm_speedup
 from mooncake.engine.gguf_loader import load_gguf, smollm2_path
 from mooncake.engine.hf_loader import hf_name
 from mooncake.engine.model import ROW_CHUNK, Block, Decoder
+from mooncake.engine.paged import bf16_attention_speedup
 from mooncake.engine.speed import paired
 from mooncake.trace import block_tokens
 
@@ -473,6 +479,20 @@ def _prefix_ceiling(
     }
 
 
+def _bf16_probes(engine: Engine) -> dict[str, object]:
+    """What the engine measured (or would) to choose bfloat16 on this CPU: how many times
+    faster its bfloat16 GEMM and prefill attention ran than float32's (None: no bfloat16
+    instructions or build here, or not a CPU engine)."""
+    if engine.device.type != "cpu":
+        return {"bf16_gemm_speedup": None, "bf16_attention_speedup": None}
+    gemm_speed = bf16_gemm_speedup()
+    attention_speed = bf16_attention_speedup(engine.spec.head_dim, engine.pool.page_tokens)
+    return {
+        "bf16_gemm_speedup": None if gemm_speed is None else round(gemm_speed, 3),
+        "bf16_attention_speedup": None if attention_speed is None else round(attention_speed, 3),
+    }
+
+
 def _shape_engine(
     shape: str,
     dev: torch.device,
@@ -543,6 +563,7 @@ def run_engine_bench(
         "decode_path": engine.decode_path,
         "prefill_attention": engine.prefill_attention,
         "prefill_gemm": engine.prefill_gemm,
+        **_bf16_probes(engine),
         "torch_threads": torch.get_num_threads(),
         "reps": reps,
         **_bench_prefill(engine, ref, prefill_tokens, reps, dev, log),

@@ -94,3 +94,17 @@ def test_a_probe_leaves_torch_as_it_found_it() -> None:
     paged.bf16_attention_speedup(64, 16)
     assert torch.equal(torch.rand(3), want)
     assert torch.is_grad_enabled()
+
+
+def test_bench_engine_reports_what_the_engine_measured() -> None:
+    """`bench engine` prints the two probes' ratios (the same cached measurements the engine
+    chooses by), null where this CPU has no bfloat16 instructions or build."""
+    from mooncake.bench.engine import _bf16_probes
+    from mooncake.engine import Engine, dummy_model
+
+    spec = ModelSpec(64, 128, 1, 2, 1, 64, 256)  # head_dim 64
+    engine = Engine(dummy_model(spec), block_tokens=16)
+    out = _bf16_probes(engine)
+    measured = gemm.bf16_gemm_speedup(), paged.bf16_attention_speedup(64, engine.pool.page_tokens)
+    want = [None if m is None else round(m, 3) for m in measured]
+    assert [out["bf16_gemm_speedup"], out["bf16_attention_speedup"]] == want
