@@ -15,8 +15,6 @@ Only what a decode step needs is kept: the slots filled once from prefilled KV, 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -32,6 +30,7 @@ from mooncake.engine import (
 )
 from mooncake.engine.model import attention
 from mooncake.engine.pool import DEFAULT_PAGE_TOKENS
+from mooncake.engine.speed import seconds as _timed
 
 
 class ContiguousBatch:
@@ -135,9 +134,3 @@ def pool_bytes_needed(engine_spec: ModelSpec, prompts: int, prompt_tokens: int, 
     per_seq = prompt_tokens + steps + 2 + 2 * DEFAULT_PAGE_TOKENS
     tokens = prompts * (prompt_tokens + per_seq) + engine_spec.context
     return tokens * engine_spec.kv_bytes_per_token(4) + (64 << 20)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0

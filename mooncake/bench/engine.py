@@ -69,7 +69,6 @@ machine lands on both sides of a pair rather than on one side's median.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -85,6 +84,7 @@ from mooncake.engine.hf_loader import hf_name
 from mooncake.engine.model import ROW_CHUNK, Block, Decoder
 from mooncake.engine.paged import bf16_attention_speedup
 from mooncake.engine.speed import paired
+from mooncake.engine.speed import seconds as _timed
 from mooncake.trace import block_tokens
 
 Log = Callable[[str], None]
@@ -98,19 +98,6 @@ LLAMACPP_DECODE_PROMPT = 512
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     """n deterministic tokens (the traces' block synthesis, one block of n)."""
     return [int(t) for t in block_tokens(seed, n, vocab, seed=1234)]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], Any], device: torch.device) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
 
 
 def _load_llamacpp(threads: int, context: int) -> Any | None:
@@ -128,9 +115,7 @@ def _load_llamacpp(threads: int, context: int) -> Any | None:
 def _llamacpp_prefill(llm: Any, prompt: list[int]) -> Callable[[], float]:
     def once() -> float:
         llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        return time.perf_counter() - t0
+        return _timed(lambda: llm.eval(prompt))
 
     return once
 
@@ -140,16 +125,17 @@ def _llamacpp_decode(llm: Any, prompt: list[int], steps: int) -> Callable[[], fl
     `prompt` (its prefill outside the clock)."""
     import numpy as np
 
-    def once() -> float:
-        llm.reset()
-        llm.eval(prompt)
-        t0 = time.perf_counter()
+    def greedy() -> None:
         for _ in range(steps):
             # The last position's logits as llama.cpp left them (llama-cpp-python keeps
             # `scores` only with logits_all).
             last = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
             llm.eval([int(np.argmax(last))])
-        return time.perf_counter() - t0
+
+    def once() -> float:
+        llm.reset()
+        llm.eval(prompt)
+        return _timed(greedy)
 
     return once
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from mooncake.engine import speed
 from mooncake.engine.batch import DecodeBatch
 from mooncake.engine.engine import Engine, Prefilled, min_pool_tokens
 from mooncake.engine.errors import EngineError
@@ -44,11 +44,6 @@ log = logging.getLogger("mooncake.engine")
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
     return [int(t) for t in block_tokens(seed, n, vocab, seed=4321)]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _median(fn: Callable[[], float], reps: int) -> float:
@@ -76,11 +71,10 @@ def profile_prefill(
             use = blocks[: prefix // bt]
 
             def once(use: list[torch.Tensor] = use, tokens: list[int] = tokens) -> float:
-                _sync(dev)
-                t0 = time.perf_counter()
-                engine.prefill(tokens, prefix=engine.prefix_from_blocks(use) if use else None)
-                _sync(dev)
-                return time.perf_counter() - t0
+                def run() -> None:  # building the KV from the blocks is inside the clock
+                    engine.prefill(tokens, prefix=engine.prefix_from_blocks(use) if use else None)
+
+                return speed.seconds(run, dev)
 
             seconds = _median(once, reps)
             log(f"prefill {length} tokens, {prefix} cached: {seconds * 1e3:.1f} ms")
@@ -103,13 +97,7 @@ def profile_decode(
             for i in range(batch_size):
                 copy = Prefilled(base.tokens, _copy_kv(engine, base.kv), base.logits, 0)
                 batch.add(str(i), copy, params)
-            times = []
-            for _ in range(steps):
-                _sync(dev)
-                t0 = time.perf_counter()
-                batch.step()
-                _sync(dev)
-                times.append(time.perf_counter() - t0)
+            times = [speed.seconds(batch.step, dev) for _ in range(steps)]
             seconds = statistics.median(times[1:])
             for i in range(batch_size):  # its pages back before the next point
                 batch.cancel(str(i))

@@ -1,6 +1,8 @@
-"""Which of two ways of computing one thing runs faster on this machine, measured in this
-process: the one paired timing `bench engine` reports its ratios with, and the engine uses
-to take a faster path only where it is one.
+"""Timing engine work: `seconds` (one call, a CUDA device's queued work included), what
+`bench engine`, the contiguous-batch bench and `profile engine` time with, and `paired`,
+which of two ways of computing one thing runs faster on this machine, measured in this
+process: the paired timing `bench engine` reports its ratios with, and the engine uses to
+take a faster path only where it is one.
 
 A CPU's flags say what it can run, not how fast: on a 2-vCPU Xeon (family 6, model 207)
 whose VM exposes AVX512_BF16 but no AMX, oneDNN's bfloat16 GEMMs of SmolLM2's shapes ran at
@@ -14,6 +16,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
 
 # A faster path must take at most 1 / FASTER of the other's time, so that a noisy machine
 # does not pick a path that merely tied.
@@ -36,18 +40,20 @@ def paired(
     return statistics.median(a), statistics.median(b), ratio
 
 
-def timed(fn: Callable[[], object]) -> Callable[[], float]:
-    """`fn` as a callable returning the seconds one call of it took (CPU work)."""
-
-    def run() -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return run
+def seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """The seconds one call of `fn` took; on a CUDA `device`, its queued work included
+    (synchronized before and after)."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def speedup(candidate: Callable[[], object], baseline: Callable[[], object], reps: int = 5
             ) -> float:  # fmt: skip
     """How many times faster `candidate` runs than `baseline` here (paired, medians)."""
-    return paired(timed(candidate), timed(baseline), reps)[2]
+    return paired(lambda: seconds(candidate), lambda: seconds(baseline), reps)[2]
