@@ -79,6 +79,11 @@ class PrefillWork(Wire):
     # compute (local: already on this instance's node; the rest: fetched and kept as a copy).
     cached_blocks: Annotated[int, Field(ge=0)] = 0
     local_blocks: Annotated[int, Field(ge=0)] = 0
+    # Set where the Conductor's cost model judged loading more of the cached prefix than
+    # this many leading blocks slower than computing it (core/cost_model.py `reuse_tokens`;
+    # 0: recompute it all): the prefill loads no more from the store. None: every leading
+    # block the store holds when the prefill runs (those stored since the decision too).
+    load_limit_blocks: Annotated[int, Field(ge=0)] | None = None
     # Event id of the admission, so the events a stage emits get ids derived from it.
     admitted_event_id: Identifier
     # The request's cache namespace (`hashing.cache_namespace`): its blocks' keys are salted

@@ -293,6 +293,7 @@ class PrefillWorker:
             self.store.client,
             work.token_ids,
             cached_blocks=work.cached_blocks,
+            load_limit=work.load_limit_blocks,
             tail_key=tail_key(work.request_id, work.attempt),
             preferred_segment=self.store.dram_segment,
             cancelled=running.stop,

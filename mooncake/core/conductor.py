@@ -44,6 +44,13 @@ Readings of the pseudo-code (documented because the paper leaves them open):
   with no local prefix is past any threshold (x/0 = ∞); nothing is fetched when the pool's
   prefix is no longer than the local one.
 - Block counts become tokens as `min(blocks * block_tokens, prompt_tokens)`.
+- The paper assumes reuse always pays (on its hardware it does). Not on every engine: a
+  small model on a GPU prefilled a mostly cached prompt slower than from scratch (the issue
+  "Engine speed"). So a prefix, local or fetched, is cut to the whole blocks worth loading
+  (`cost_model.reuse_tokens`: by the cost model, loading them and computing the rest is
+  faster than computing more), down to none; the TTFT is that choice's, and the decision
+  carries the cut (`load_limit_blocks`) to the prefill, which otherwise loads every block
+  the store holds. Cost models without a loading cost never cut.
 - "d by load": the decode instance whose step time is least with the work already routed
   to it (running + reserved + this request), so a burst does not herd onto one instance;
   among those with KV room for the prompt (free pages less what is reserved), else among
@@ -64,7 +71,7 @@ from typing import Any
 
 from mooncake.core.block_index import PrefixMatch
 from mooncake.core.cluster import Assigned, ClusterView, DecodeInstance, PrefillInstance
-from mooncake.core.cost_model import Costs
+from mooncake.core.cost_model import Costs, reuse_tokens
 from mooncake.core.cpp import CppConfig, CppGroup, choose_group
 from mooncake.core.tenancy import TenantShares
 from mooncake.events import RejectReason
@@ -144,6 +151,9 @@ class Choice:
     stage_instances: tuple[str, ...] = ()
     # Of the prefix's blocks, those read from an SSD (held nowhere reachable in DRAM).
     ssd_blocks: int = 0
+    # Where the cost model judged loading more of the cached prefix than `prefix_blocks`
+    # slower than computing it (`_worth_loading`): the blocks the prefill may load at most.
+    load_limit_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +190,11 @@ class Decision:
     # Of the prefix's blocks, those the index said are held only on SSD (charged the SSD
     # read in transfer_s).
     ssd_prefix_blocks: int = 0
+    # Set where the cost model judged loading more of the cached prefix than the blocks of
+    # `prefix_tokens` slower than computing it: the prefill loads at most these (0: none,
+    # the prefix is recomputed), whatever more the store holds by then. None: every block
+    # the store holds (those stored since the decision too).
+    load_limit_blocks: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable; what `RequestAdmitted.inputs` / `RequestRejected.inputs` hold.
@@ -259,18 +274,34 @@ def _prefix_option(
     """(prefix blocks, load s, prefill s, blocks read from SSD) for an instance holding
     `local` blocks when the pool holds `best`: the threshold rule of the module docstring.
     Loading counts the transfer from the pool and the SSD reads of blocks held only on SSD
-    (`local_ssd` of the local ones, `pool_ssd` of the pool's others)."""
+    (`local_ssd` of the local ones, `pool_ssd` of the pool's others). Of a prefix, only the
+    blocks worth loading are taken (`reuse_tokens`): where the cost model says loading a
+    cached block costs more than computing it saves, the prefix is shorter than what is
+    held, down to none (recompute), and nothing past it is fetched."""
     bt = cfg.block_tokens
+    held, local = local, _worth_loading(local, prompt, bt, costs)
+    local_ssd = min(local_ssd, local)  # where the SSD-only ones lie is not known: all loaded
     local_load = costs.ssd_s(prefix_tokens(local_ssd, prompt, bt))
     recompute = costs.prefill.prefill_s(prompt, prefix_tokens(local, prompt, bt))
-    if not cfg.pool_fetch or best <= local:
+    if not cfg.pool_fetch or best <= held:
         return local, local_load, recompute, local_ssd
-    transfer = costs.transfer.transfer_s(prefix_tokens(best - local, prompt, bt))
+    best = _worth_loading(best, prompt, bt, costs)
+    if best <= held:
+        return local, local_load, recompute, local_ssd
+    pool_ssd = min(pool_ssd, best - held)
+    transfer = costs.transfer.transfer_s(prefix_tokens(best - held, prompt, bt))
     load = transfer + costs.ssd_s(prefix_tokens(local_ssd + pool_ssd, prompt, bt))
     fetched = costs.prefill.prefill_s(prompt, prefix_tokens(best, prompt, bt))
-    if best > cfg.balancing_threshold * local or load + fetched < local_load + recompute:
+    if best > cfg.balancing_threshold * held or load + fetched < local_load + recompute:
         return best, load, fetched, local_ssd + pool_ssd
     return local, local_load, recompute, local_ssd
+
+
+def _worth_loading(blocks: int, prompt: int, bt: int, costs: Costs) -> int:
+    """Of `blocks` leading cached blocks, those the cost model says to load (`reuse_tokens`)."""
+    tokens = prefix_tokens(blocks, prompt, bt)
+    used = reuse_tokens(costs.prefill, prompt, tokens, bt)
+    return blocks if used >= tokens else used // bt
 
 
 def batch_tbt_s(view: ClusterView, costs: Costs, batch: int, context_tokens: int) -> float:
@@ -340,6 +371,15 @@ def choose(
         return None
     pid, local, prefix, transfer, queue, ttft = _argmin(candidates, 5)
     p = view.prefill[pid]
+    # A prefill loads every leading block the store holds unless told otherwise: where the
+    # cost model cut the prefix short of what was offered, the work carries the limit.
+    offered = max(local, match.best_blocks if cfg.pool_fetch else 0)
+    limit = None
+    if (
+        prefix < offered
+        and _worth_loading(offered, req.prompt_tokens, cfg.block_tokens, costs) < offered
+    ):
+        limit = prefix
     d = view.decode[_argmin(decodes, 5)[0]]
     copy = None
     if prefix > local:  # p takes the pool's longest prefix: it keeps a copy of the blocks
@@ -352,7 +392,7 @@ def choose(
         ttft = transfer + queue + t_prefill
     return Choice(
         req, now, p, d, local, match.best_blocks, prefix, tokens, transfer, queue,
-        t_prefill, ttft, tbt, copy, candidates, decodes, members, ssd_of[pid],
+        t_prefill, ttft, tbt, copy, candidates, decodes, members, ssd_of[pid], limit,
     )  # fmt: skip
 
 
@@ -412,6 +452,7 @@ def decision_from(
         remote_prefix_blocks=c.best_blocks,
         prefix_tokens=c.prefix_tokens,
         ssd_prefix_blocks=c.ssd_blocks,
+        load_limit_blocks=c.load_limit_blocks,
         takes_remote=c.copy is not None,
         transfer_s=c.transfer_s,
         queue_s=c.queue_s,

@@ -9,8 +9,10 @@ Pure: numbers in, seconds out. Two families share one interface (`PrefillModel`,
   reference hardware (LLaMA3-70B on 8xA800 and 8xH800) where no profile exists.
 
 Physics the models keep (and the tests check): prefill time never decreases with the prompt
-length and never increases with the cached prefix; a decode step never gets faster with a
-larger batch or a longer context; moving more tokens never takes less time.
+length and never increases with the cached prefix - a prediction is the prefill's with the
+best reuse of that prefix, since loading a cached token can cost more than computing it
+saves, and `reuse_tokens` says how much of it to load; a decode step never gets faster with
+a larger batch or a longer context; moving more tokens never takes less time.
 """
 
 from __future__ import annotations
@@ -196,11 +198,60 @@ class AnalyticCostModel:
 
 
 def prefill_features(prompt: float, cached: float) -> tuple[float, ...]:
-    """A degree-2 polynomial in (L, P) written in a basis where each term is non-decreasing
-    in L and non-increasing in P (n = L - P): 1, n, n², L² - P². With non-negative
-    coefficients the fit keeps the physics whatever noise the profile has."""
+    """A degree-2 polynomial in (L, P) written in a basis where each computing term is
+    non-decreasing in L and non-increasing in P (n = L - P): 1, n, n², L² - P²; and P, the
+    loading of the cached prefix (its KV copied out of the store's bytes into the engine's
+    pages, on a GPU across the host link), which grows with P. With non-negative
+    coefficients the fit keeps the physics whatever noise the profile has: computing less
+    never takes longer, loading more never takes less. Where loading a token costs more
+    than computing it saves (a small model on a GPU: PAPER.md, issue "Engine speed"), the
+    fit says so, and `reuse_point` answers how much of a cached prefix is worth loading."""
     n = prompt - cached
-    return (1.0, n, n * n, prompt * prompt - cached * cached)
+    return (1.0, n, n * n, prompt * prompt - cached * cached, cached)
+
+
+def reuse_point(fit: PolyFit, prompt: float, cached: float) -> float:
+    """The tokens of a cached prefix of `cached` (a prompt of `prompt`) whose reuse the
+    fitted prefill time is least at, the rest recomputed: exact for the polynomial, which is
+    a quadratic in the reused P (the least at an end of [0, cached] or at its vertex). Ties
+    go to reusing more."""
+    _, c1, c2, c3, c4 = fit.coef
+    points = [cached, 0.0]
+    curvature = c2 - c3  # t(P) = c2 (L - P)² - c3 P² + (c4 - c1) P + ...
+    if curvature > 0:
+        vertex = (c1 + 2.0 * c2 * prompt - c4) / (2.0 * curvature)
+        if 0.0 < vertex < cached:
+            points.insert(1, vertex)
+    return min(points, key=lambda p: fit(prefill_features(prompt, p)))
+
+
+def poly_prefill_s(fit: PolyFit, prompt: float, cached: float) -> float:
+    """A fitted prefill's seconds with the best reuse of up to `cached` tokens
+    (`reuse_point`): non-increasing in `cached`, as every `PrefillModel` is."""
+    return fit(prefill_features(prompt, reuse_point(fit, prompt, cached)))
+
+
+def reuse_tokens(model: PrefillModel, prompt_tokens: int, cached_tokens: int, block: int) -> int:
+    """How many tokens of a cached prefix of `cached_tokens` (whole blocks of `block`
+    tokens) a prefill should load rather than compute, by `model`: every one unless loading
+    a shorter prefix and computing the rest is predicted faster. A `PrefillModel` answers
+    with the best reuse of up to `cached_tokens` (its time never grows with them), so this
+    is the fewest whole blocks that reach the least time: `cached_tokens` itself where
+    loading pays all the way (one extra prediction), else a bisection."""
+    blocks = cached_tokens // block
+    if blocks < 1:
+        return cached_tokens
+    least = model.prefill_s(prompt_tokens, cached_tokens) * (1.0 + 1e-9)
+    if model.prefill_s(prompt_tokens, (blocks - 1) * block) > least:
+        return cached_tokens
+    lo, hi = 0, blocks - 1  # the answer, in blocks, is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if model.prefill_s(prompt_tokens, mid * block) <= least:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * block
 
 
 def decode_features(batch: float, context: float) -> tuple[float, ...]:
@@ -256,7 +307,7 @@ class FittedCostModel:
 
     def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
         cached = min(max(cached_tokens, 0), max(prompt_tokens, 0))
-        return self.prefill(prefill_features(float(max(prompt_tokens, 0)), float(cached)))
+        return poly_prefill_s(self.prefill, float(max(prompt_tokens, 0)), float(cached))
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return self.decode(decode_features(float(max(batch, 0)), float(max(context_tokens, 0))))
@@ -280,10 +331,28 @@ def profile_samples(doc: Mapping[str, Any]) -> tuple[list[Sample], list[Sample]]
     return pre, dec
 
 
-def fit_prefill(samples: Sequence[Sample]) -> PolyFit:
-    return fit_nonnegative(
-        [prefill_features(p, c) for p, c, _ in samples], [s for *_, s in samples]
+def fit_prefill(samples: Sequence[Sample], load_per_token: float | None = None) -> PolyFit:
+    """The prefill polynomial (`prefill_features`) fitted to (prompt, cached, seconds) rows.
+    `load_per_token`: the seconds loading a cached token takes, where it is known (a
+    profile's fit, `load_s_per_token`): the computing terms are then fitted to what is left
+    of the rows' seconds. The online model fits so (core/online_cost.py): its rows mix a
+    profile's and the cluster's, and a cluster that runs slower than it was profiled, whose
+    prefills mostly reuse a prefix, would otherwise pass for loading that got dearer."""
+    if load_per_token is None:
+        return fit_nonnegative(
+            [prefill_features(p, c) for p, c, _ in samples], [s for *_, s in samples]
+        )
+    fit = fit_nonnegative(
+        [prefill_features(p, c)[:-1] for p, c, _ in samples],
+        [s - load_per_token * c for p, c, s in samples],
     )
+    return PolyFit((*fit.coef, load_per_token), fit.rmse, fit.samples)
+
+
+def load_s_per_token(model: PrefillModel) -> float:
+    """The seconds a fitted model says loading a cached token takes (0 where it has no such
+    term: the analytic model overlaps loading with computing)."""
+    return model.prefill.coef[-1] if isinstance(model, FittedCostModel) else 0.0
 
 
 def fit_decode(samples: Sequence[Sample]) -> PolyFit:

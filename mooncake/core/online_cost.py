@@ -38,13 +38,15 @@ from dataclasses import dataclass
 from mooncake.core import cluster as cl
 from mooncake.core.cost_model import (
     DecodeModel,
+    PolyFit,
     PrefillModel,
     Sample,
     decode_features,
     fit_decode,
     fit_nonnegative,
     fit_prefill,
-    prefill_features,
+    load_s_per_token,
+    poly_prefill_s,
 )
 
 Predictor = Callable[[float, float], float]  # (prompt, cached) or (batch, context) -> s
@@ -135,9 +137,9 @@ PRIOR_CAP = 64  # measured rows kept as the anchor (a profile's, or workers' tim
 FULL_FIT_SIZES = 6  # distinct sizes before prefill rows fit the whole polynomial
 
 
-def full_prefill(rows: Sequence[Sample]) -> Predictor:
-    fit = fit_prefill(rows)
-    return lambda prompt, cached: fit(prefill_features(prompt, cached))
+def full_prefill(rows: Sequence[Sample], load_per_token: float = 0.0) -> Predictor:
+    fit = fit_prefill(rows, load_per_token)
+    return lambda prompt, cached: poly_prefill_s(fit, prompt, cached)
 
 
 def full_decode(rows: Sequence[Sample]) -> Predictor:
@@ -145,7 +147,9 @@ def full_decode(rows: Sequence[Sample]) -> Predictor:
     return lambda batch, context: fit(decode_features(batch, context))
 
 
-def shaped_prefill(attention_per_token: float | None) -> Callable[[Sequence[Sample]], Predictor]:
+def shaped_prefill(
+    attention_per_token: float | None, load_per_token: float = 0.0
+) -> Callable[[Sequence[Sample]], Predictor]:
     """Prefill fits that keep the FLOPs' shape while the rows are few. PAPER.md §4 counts
     l*(a*n²*d + b*n*d²) FLOPs for n tokens (a = 4, b = 22), so with a cached prefix P of L,
     time ~ c0 + c1 * ((L - P) + k * (L² - P²)) with k = a / (b * d), from the model's hidden
@@ -153,19 +157,25 @@ def shaped_prefill(attention_per_token: float | None) -> Callable[[Sequence[Samp
     fits two rows exactly with whichever two of its terms come first, and on SmolLM2
     (d = 576: the attention term is 2.6x the rest at 8,192 tokens) missed an 8 k-token
     prefill by 2.7x (tests/unit/test_online_cost.py). From `FULL_FIT_SIZES` distinct sizes
-    on, the whole polynomial (`full_prefill`)."""
+    on, the whole polynomial (`full_prefill`). Either way loading a cached token costs the
+    seed's `load_per_token` (`cost_model.load_s_per_token`; 0 without a profile), not a
+    refitted one, and a prediction is the best reuse of the prefix (`poly_prefill_s`)."""
 
     def fitter(rows: Sequence[Sample]) -> Predictor:
         sizes = {(x, z) for x, z, _ in rows}
         if attention_per_token is None or len(sizes) >= FULL_FIT_SIZES:
-            return full_prefill(rows)
+            return full_prefill(rows, load_per_token)
         k = attention_per_token
 
         def work(prompt: float, cached: float) -> float:
             return (prompt - cached) + k * (prompt * prompt - cached * cached)
 
-        fit = fit_nonnegative([(1.0, work(x, z)) for x, z, _ in rows], [t for *_, t in rows])
-        return lambda prompt, cached: fit((1.0, work(prompt, cached)))
+        fit = fit_nonnegative(
+            [(1.0, work(x, z)) for x, z, _ in rows], [t - load_per_token * z for x, z, t in rows]
+        )
+        c0, c1 = fit.coef
+        poly = PolyFit((c0, c1, 0.0, c1 * k, load_per_token), fit.rmse, fit.samples)
+        return lambda prompt, cached: poly_prefill_s(poly, prompt, cached)
 
     return fitter
 
@@ -206,7 +216,8 @@ class OnlineCostModel:
         self.seed_prefill, self.seed_decode = seed_prefill, seed_decode
         self.settings = settings
         k = attention_per_token(hidden) if hidden else None
-        self._pre = _Prefill(prefill_prior, shaped_prefill(k), settings)
+        load = load_s_per_token(seed_prefill)
+        self._pre = _Prefill(prefill_prior, shaped_prefill(k, load), settings)
         self._dec = _Decode(decode_prior, full_decode, settings)
 
     # --- predictions (the protocols) -----------------------------------------------------

@@ -165,6 +165,7 @@ def prefill_work(
         timing=timing_of(request),
         cached_blocks=cached,
         local_blocks=min(decision.local_prefix_blocks, cached),
+        load_limit_blocks=decision.load_limit_blocks,
         admitted_event_id=admitted_event_id,
         cache_namespace=namespace,
         tenant=request.tenant,
@@ -206,6 +207,7 @@ def prefill_work_of_admission(
     """The work of an admission read back from the broker (see the module's doc): what
     `prefill_work` built from the decision, from the fields the event keeps."""
     local = admitted.inputs.get("local_prefix_blocks", 0)
+    limit = admitted.inputs.get("load_limit_blocks")
     decision = Decision(
         request_id=request.request_id,
         policy=admitted.policy,
@@ -217,6 +219,7 @@ def prefill_work_of_admission(
         decode_instance=admitted.decode_instance,
         local_prefix_blocks=local if isinstance(local, int) else 0,
         prefix_tokens=admitted.cached_prefix_tokens,
+        load_limit_blocks=limit if isinstance(limit, int) and limit >= 0 else None,
     )
     return prefill_work(request, decision, token_ids, admitted.event_id, block_tokens, namespace)
 

@@ -230,6 +230,7 @@ class Reaper:
                     "attempt": attempt, "prefill_instance": choice.prefill.id,
                     "decode_instance": decode, "cached_blocks": cached,
                     "local_blocks": min(choice.local_blocks, cached),
+                    "load_limit_blocks": choice.load_limit_blocks,
                     "cpp": None,  # a dead leader's group is gone: one instance prefills it
                 }
             )  # fmt: skip

@@ -131,11 +131,15 @@ async def prefill_with_store(
     preferred_segment: str | None,
     cancelled: threading.Event,
     namespace: str = DEFAULT_CACHE_NAMESPACE,
+    load_limit: int | None = None,
 ) -> StoredPrefill:
-    """Prefill `tokens`, loading up to `cached_blocks` leading blocks from the store and
-    writing every other block (and the tail) to it while computing; its blocks are keyed in
-    the request's cache `namespace` (`hashing.cache_namespace`), which owns them in the store
-    (its quota counts them).
+    """Prefill `tokens`, loading the leading blocks the store holds (`cached_blocks` is the
+    Conductor's view of them; -1: none) and writing every other block (and the tail) to it
+    while computing; its blocks are keyed in the request's cache `namespace`
+    (`hashing.cache_namespace`), which owns them in the store (its quota counts them).
+    `load_limit`: load no more than that many blocks from the store (the Conductor judged
+    computing the rest of the prefix faster than loading it); blocks this engine's pool
+    still caches are used whatever the limit, since they cost no load.
 
     Raises EngineError (bad input: before any store I/O), PrefillCancelled (`cancelled` was
     set: the put is revoked), StoreError/KvWriteError (transient). A cached prefix that cannot
@@ -147,7 +151,7 @@ async def prefill_with_store(
     dest = _Dest(preferred_segment, namespace)
     try:
         return await _prefill_once(
-            engine, store, tokens, keys, cached_blocks, tail_key, dest, cancelled
+            engine, store, tokens, keys, cached_blocks, tail_key, dest, cancelled, load_limit
         )
     except PrefixLoadError as exc:
         log.warning("cached prefix unusable (%s): recomputing it", exc)
@@ -176,6 +180,7 @@ async def _prefill_once(
     tail_key: str,
     dest: _Dest,
     cancelled: threading.Event,
+    load_limit: int | None = None,
 ) -> StoredPrefill:
     layout, size_t = engine.layout, engine.block_tokens
     # The Conductor's `cached_blocks` was its view at admission; blocks stored since (by a
@@ -186,6 +191,8 @@ async def _prefill_once(
     try:
         pooled = kv.adopt_cached(keys[:usable])  # the engine tier: shared pages, no I/O
         want = usable if cached_blocks >= 0 else pooled
+        if load_limit is not None:
+            want = max(pooled, min(want, load_limit))
         handle, in_store = await _open_prefix(store, keys[:want], layout.object_size(size_t))
         n = max(pooled, in_store)
         if not kv.reserve(len(tokens)):

@@ -385,6 +385,30 @@ async def test_unreadable_cached_prefix_is_recomputed(rig: Rig) -> None:
     assert p.first_token_id == int(torch.argmax(r.reference.prefill(prompt).logits))
 
 
+async def test_a_load_limit_caps_what_is_loaded_and_the_rest_is_computed(rig: Rig) -> None:
+    """The Conductor's cost model judged loading more than `load_limit_blocks` of a cached
+    prefix slower than computing it: the prefill loads no more, whatever the store holds,
+    and its KV and first token are those of a prefill from scratch."""
+    r = rig
+    first = await r.submit("req-l1", tokens(64, 11))  # 4 whole blocks, all stored
+    await r.wait_event(ev.RequestPrefilled, "req-l1")
+    await r.idle()
+    prompt = first.token_ids[:48] + tokens(6, 12)
+    for rid, limit in (("req-l2", 1), ("req-l3", 0)):
+        r.engine.pool.pages.evict_idle()  # from the store, not the engine's own pool
+        await r.submit(rid, prompt, cached_blocks=3, load_limit_blocks=limit)
+        await r.wait_event(ev.RequestPrefilled, rid)
+        await r.idle()
+        done = r.worker.last
+        assert done is not None and done.loaded_blocks == limit
+        assert done.loaded_from == ({"local_dram": 1} if limit else {})
+        [p] = r.of(ev.RequestPrefilled, rid)
+        assert isinstance(p, ev.RequestPrefilled) and p.cached_tokens == limit * BLOCK
+        torch.testing.assert_close(
+            done.prefilled.logits, r.reference.prefill(prompt).logits, atol=ATOL, rtol=0
+        )
+
+
 async def test_a_prefix_this_instance_computed_is_shared_from_its_engine_pool(rig: Rig) -> None:
     """The second prompt with the same prefix takes its blocks from the engine's own pool
     (the "engine" tier): no store read, the same pages, the same logits as from scratch."""

@@ -18,7 +18,7 @@ from mooncake.core.conductor import (
     decide,
     rejection_detail,
 )
-from mooncake.core.cost_model import Costs, TransferModel
+from mooncake.core.cost_model import Costs, FittedCostModel, PolyFit, TransferModel
 from mooncake.events import RejectReason, RequestAdmitted
 
 from helpers import cluster_view
@@ -280,10 +280,25 @@ SLOW_NET = Costs(Linear(), Linear(), TransferModel(500.0, 0.0, 1))
 WITH_LATENCY = Costs(Linear(), Linear(), TransferModel(1e6, 0.005, 1))
 
 
+def loading(*coef: float) -> Costs:
+    """A fitted engine whose loading of a cached token costs time (the last coefficient,
+    `cost_model.prefill_features`: 1, n, n², L² - P², P); a fast network."""
+    model = FittedCostModel(PolyFit(coef, 0.0, 1), PolyFit((0.01, 0.001, 1e-7), 0.0, 1))
+    return Costs(model, Linear(), TransferModel(1e6, 0.0, 1))
+
+
+# Loading a token 1.5 ms, computing it 1 ms: no prefix is worth loading.
+DEAR_LOAD = loading(0.0, 0.001, 0.0, 0.0, 0.0015)
+# 1 ms + 20 µs x n per new token, 2 ms per loaded one: of 100 tokens, loading the first 75
+# and computing 25 is the least (0.1875 s; all 100 loaded 0.2 s, none 0.3 s).
+SOME_LOAD = loading(0.0, 0.001, 2e-5, 0.0, 0.002)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(blocks, min_size=3, max_size=3), queues, blocks, blocks,
        st.sampled_from([float("inf"), 0.5, 1.0, 2.0, 3.5]),
-       st.sampled_from([COSTS, FAST_NET, SLOW_NET, WITH_LATENCY]), st.booleans())  # fmt: skip
+       st.sampled_from([COSTS, FAST_NET, SLOW_NET, WITH_LATENCY, DEAR_LOAD, SOME_LOAD]),
+       st.booleans())  # fmt: skip
 def test_longer_local_prefix_never_looks_slower(
     locals_: list[int], qs: list[float], pool: int, more: int, thr: float, costs: Costs,
     pool_fetch: bool,
@@ -320,6 +335,35 @@ def test_below_the_threshold_a_slower_fetch_is_not_taken_past_it_it_is() -> None
     past = decide(scenario([2, 0, 0], [0, 0, 0], 10), req(), CFG, SLOW_NET, 0.0)
     p0 = next(c for c in past.candidates if c[0] == "p0")
     assert p0[2] == 10 and p0[3] == pytest.approx(0.16) and p0[5] == pytest.approx(0.16)
+
+
+def test_a_prefix_dearer_to_load_than_to_compute_is_recomputed() -> None:
+    d = decide(scenario([6, 0, 0], [0, 0, 0], 10), req(), CFG, DEAR_LOAD, 0.0)
+    assert d.admitted and d.prefix_tokens == 0 and not d.takes_remote and d.copy is None
+    assert d.prefill_s == pytest.approx(0.1)  # 100 tokens computed, none loaded
+    # Every instance could reuse 6 or 10 blocks: none is worth loading, and the prefill is
+    # told so (it would otherwise load whatever the store holds).
+    assert [c[2] for c in d.candidates] == [0, 0, 0] and d.load_limit_blocks == 0
+    work_limit = json.loads(json.dumps(d.to_dict()))["load_limit_blocks"]
+    assert work_limit == 0
+
+
+def test_only_the_blocks_worth_loading_are_loaded_or_fetched() -> None:
+    # p0 holds all 10 blocks: loading 8 (75 tokens, rounded up to whole blocks) and
+    # computing 20 is faster than loading all 10 or none.
+    d = decide(scenario([10, 0, 0], [0, 0, 0], 10), req(), CFG, SOME_LOAD, 0.0)
+    assert d.prefill_instance == "p0" and d.prefix_tokens == 80 and d.load_limit_blocks == 8
+    # The prediction is the model's best reuse (75 tokens); 8 whole blocks take 0.188 s.
+    assert d.prefill_s == pytest.approx(0.1875)
+    # An instance holding 2 of the pool's 10 fetches 6 blocks, not 8: the rest are computed.
+    d = decide(scenario([2, 0, 0], [0, 1, 1], 10), req(), CFG, SOME_LOAD, 0.0)
+    assert d.prefill_instance == "p0" and d.prefix_tokens == 80 and d.takes_remote
+    assert d.copy is not None and d.copy.keys == KEYS[2:8] and d.load_limit_blocks == 8
+
+
+def test_a_prefix_worth_loading_whole_sets_no_limit() -> None:
+    d = decide(scenario([6, 0, 0], [0, 0, 0], 10), req(), CFG, FAST_NET, 0.0)
+    assert d.load_limit_blocks is None and d.prefix_tokens == 100
 
 
 def test_without_the_pool_an_instance_reuses_only_its_own_blocks() -> None:

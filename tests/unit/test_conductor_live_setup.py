@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -214,6 +215,14 @@ def test_the_work_of_an_admission_read_back_is_the_work_of_its_decision() -> Non
     assert rebuilt == dispatch.prefill_work(
         req, decision, [1, 2, 3], admitted.event_id, 16, "tenant:t"
     )
+    assert rebuilt.load_limit_blocks is None
+    # A prefix the cost model cut short: the limit travels with the work, and back.
+    cut = replace(decision, prefix_tokens=16, load_limit_blocks=1)
+    admitted = dispatch.admitted_event(req, cut, {**cut.to_dict(), "slo_class": "default"})
+    kept = ev.RequestAdmitted.model_validate_json(admitted.to_json())
+    work = dispatch.prefill_work(req, cut, [1, 2, 3], admitted.event_id, 16, "tenant:t")
+    assert (work.cached_blocks, work.load_limit_blocks) == (1, 1)
+    assert dispatch.prefill_work_of_admission(req, kept, [1, 2, 3], 16, "tenant:t") == work
     # Same work: admitted to the same instances. A rejection is never "the same".
     assert dispatch.same_decision(kept, admitted)
     moved = kept.model_copy(update={"prefill_instance": "p2"})

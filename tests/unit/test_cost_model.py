@@ -17,21 +17,30 @@ from mooncake.core.cost_model import (
     TransferModel,
     fit_nonnegative,
     parse_profile,
+    poly_prefill_s,
     prefill_features,
+    reuse_point,
+    reuse_tokens,
 )
 
-TRUE_PREFILL = (0.02, 3e-5, 1e-9, 2e-10)  # 1, n, n², L² - P²
+TRUE_PREFILL = (0.02, 3e-5, 1e-9, 2e-10, 0.0)  # 1, n, n², L² - P², P (loading: free here)
+# A small model on a GPU (the issue "Engine speed": a cached prefix of SmolLM2 prefilled
+# slower than from scratch on an H100): loading a cached token costs more than computing
+# it saves, until the prefix is long enough for the attention it saves to pay.
+COSTLY_LOAD = (0.001, 2e-6, 0.0, 4e-11, 5e-6)
 TRUE_DECODE = (0.012, 1e-4, 4e-8)  # 1, batch, context
 
 
-def true_prefill(prompt: int, cached: int) -> float:
-    return float(np.dot(TRUE_PREFILL, prefill_features(prompt, cached)))
+def true_prefill(prompt: int, cached: int, coef: tuple[float, ...] = TRUE_PREFILL) -> float:
+    return float(np.dot(coef, prefill_features(prompt, cached)))
 
 
-def profile(noise: float = 0.0, seed: int = 0) -> dict[str, object]:
+def profile(
+    noise: float = 0.0, seed: int = 0, coef: tuple[float, ...] = TRUE_PREFILL
+) -> dict[str, object]:
     rng = np.random.default_rng(seed)
     pre = [
-        {"prompt_tokens": p, "cached_tokens": c, "seconds": true_prefill(p, c)}
+        {"prompt_tokens": p, "cached_tokens": c, "seconds": true_prefill(p, c, coef)}
         for p in (128, 512, 1024, 2048, 4096, 8192, 16384)
         for c in (0, p // 4, p // 2, p - 64)
     ]
@@ -59,6 +68,44 @@ def test_fit_keeps_coefficients_non_negative_under_noise() -> None:
     assert all(c >= 0 for c in model.prefill.coef + model.decode.coef)
     # Still close to the truth where it matters (a long prompt).
     assert model.prefill_s(16_384, 0) == pytest.approx(true_prefill(16_384, 0), rel=0.1)
+
+
+def test_fit_learns_what_loading_a_cached_prefix_costs() -> None:
+    model = parse_profile(profile(coef=COSTLY_LOAD))
+    assert model.prefill.coef == pytest.approx(COSTLY_LOAD, rel=1e-6, abs=1e-15)
+    # Loading 3 of 4 k tokens is dearer than computing them; the prediction is the best
+    # reuse (here none), so a cached prefill is never predicted slower than a cold one.
+    assert true_prefill(4096, 3072, COSTLY_LOAD) > true_prefill(4096, 0, COSTLY_LOAD)
+    assert reuse_point(model.prefill, 4096, 3072) == 0.0
+    assert model.prefill_s(4096, 3072) == pytest.approx(true_prefill(4096, 0, COSTLY_LOAD))
+    # At 128 k the attention a long prefix saves outweighs its loading: it is worth it.
+    assert reuse_point(model.prefill, 131_072, 122_880) == 122_880
+    assert model.prefill_s(131_072, 122_880) < model.prefill_s(131_072, 0)
+
+
+def test_reuse_point_is_the_least_of_the_quadratic() -> None:
+    # Convex in P (the n² term above the L² - P² one): the least lies inside [0, cached].
+    coef = (0.0, 1e-4, 2e-9, 0.0, 1.2e-4)
+    model = parse_profile(profile(coef=coef))
+    best = reuse_point(model.prefill, 8192, 8000)
+    assert 0 < best < 8000
+    t = [poly_prefill_s(model.prefill, 8192, c) for c in (0, best, 8000)]
+    grid = [true_prefill(8192, p, coef) for p in range(0, 8001, 50)]
+    assert t[1] == pytest.approx(min(grid), rel=1e-4)
+    assert t[1] <= t[0] and t[1] <= true_prefill(8192, 8000, coef)
+
+
+def test_reuse_tokens_loads_the_fewest_whole_blocks_that_reach_the_least_time() -> None:
+    free = parse_profile(profile())
+    assert reuse_tokens(free, 4096, 3072, 512) == 3072  # loading is free: all of it
+    costly = parse_profile(profile(coef=COSTLY_LOAD))
+    assert reuse_tokens(costly, 4096, 3072, 512) == 0  # recompute it all
+    convex = parse_profile(profile(coef=(0.0, 1e-4, 2e-9, 0.0, 1.2e-4)))
+    got = reuse_tokens(convex, 8192, 7680, 512)
+    assert got % 512 == 0 and 0 < got < 7680
+    assert got >= reuse_point(convex.prefill, 8192, 7680) > got - 512
+    assert convex.prefill_s(8192, got) == pytest.approx(convex.prefill_s(8192, 7680))
+    assert reuse_tokens(costly, 4096, 300, 512) == 300  # no whole block: nothing to choose
 
 
 def test_nonnegative_fit_drops_a_column_the_data_pushes_negative() -> None:
@@ -105,6 +152,7 @@ MODELS = [
     # A slow host link, where loading a long prefix costs more than recomputing part of it.
     AnalyticCostModel(LLAMA3_70B, A800_X8.__class__("slow", 8, 312e12, 2e12, 2e9, 1e9)),
     parse_profile(profile(noise=0.05, seed=1)),
+    parse_profile(profile(noise=0.05, seed=2, coef=COSTLY_LOAD)),
 ]
 
 
@@ -135,3 +183,16 @@ def test_transfer_is_monotone_and_free_when_empty(a: int, b: int) -> None:
     assert tm.transfer_s(lo) <= tm.transfer_s(hi)
     if hi > 0:  # 50 GB/s effective of 100 GB/s, 1 ms latency
         assert tm.transfer_s(hi) == pytest.approx(1e-3 + hi * 327_680 / 50e9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(MODELS), tokens, tokens, st.sampled_from([16, 256, 512]))
+def test_a_chosen_reuse_is_never_predicted_slower_than_a_cold_prefill(
+    model: AnalyticCostModel, prompt: int, cached: int, block: int
+) -> None:
+    cached = min(cached, prompt) // block * block
+    used = reuse_tokens(model, prompt, cached, block)
+    assert used % block == 0 and 0 <= used <= cached
+    t = model.prefill_s(prompt, used)
+    assert t <= model.prefill_s(prompt, 0) * (1 + 1e-9)
+    assert t <= model.prefill_s(prompt, cached) * (1 + 1e-9)

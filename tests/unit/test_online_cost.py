@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.core.cost_model import reference_costs
+from mooncake.core.cost_model import (
+    FittedCostModel,
+    fit_decode,
+    fit_prefill,
+    load_s_per_token,
+    reference_costs,
+)
 from mooncake.core.online_cost import OnlineCostModel, OnlineSettings
 
 
@@ -210,3 +216,27 @@ def test_two_timings_extrapolate_with_the_flops_shape_of_the_model() -> None:
     assert shaped.prefill_s(8192, 4096) == pytest.approx(machine(8192, 4096), rel=0.02)
     miss = plain.prefill_s(8192, 0) / machine(8192, 0)
     assert miss > 2 or miss < 0.5
+
+
+def test_loading_costs_what_the_profile_measured_and_a_slow_cluster_is_slow_compute() -> None:
+    """A profile whose engine loads a cached token in 1 ms (more than computing one saves):
+    the refit keeps that cost and fits the computing to the rest, so a cluster twice as
+    slow as profiled, whose prefills mostly reuse a quarter of the prompt, reads as slower
+    computing (what it is), not as loading that got dearer."""
+
+    def machine(prompt: int, cached: int, speed: float) -> float:
+        return true_prefill(prompt, cached) / speed + 0.001 * cached
+
+    rows = [(float(p), float(c), machine(p, c, 2.0)) for p in (64, 256, 1024, 4096)
+            for c in (0, p // 2)]  # fmt: skip
+    seed = FittedCostModel(fit_prefill(rows), fit_decode(PROFILE_DECODE))
+    assert load_s_per_token(seed) == pytest.approx(0.001)
+    m = OnlineCostModel(seed, seed, prefill_prior=rows, decode_prior=PROFILE_DECODE)
+    for i in range(200):
+        p = 100 + (i * 37) % 3000
+        m.observe_prefill(p, p // 4, machine(p, p // 4, 1.0))
+    for p in (500, 2000, 3000):
+        assert m.prefill_s(p, 0) == pytest.approx(machine(p, 0, 1.0), rel=0.1)
+    # Loading 1 ms a token against the ~2 ms computing saves: reusing pays, and the
+    # prediction is of the whole prefix loaded.
+    assert m.prefill_s(2000, 1000) == pytest.approx(machine(2000, 1000, 1.0), rel=0.1)
