@@ -80,7 +80,7 @@ class PrefillWork(Wire):
     cached_blocks: Annotated[int, Field(ge=0)] = 0
     local_blocks: Annotated[int, Field(ge=0)] = 0
     # Set where the Conductor's cost model judged loading more of the cached prefix than
-    # this many leading blocks slower than computing it (core/cost_model.py `reuse_tokens`;
+    # this many leading blocks slower than computing it (core/cost_model.py `reuse`;
     # 0: recompute it all): the prefill loads no more from the store. None: every leading
     # block the store holds when the prefill runs (those stored since the decision too).
     load_limit_blocks: Annotated[int, Field(ge=0)] | None = None

@@ -47,7 +47,7 @@ Readings of the pseudo-code (documented because the paper leaves them open):
 - The paper assumes reuse always pays (on its hardware it does). Not on every engine: a
   small model on a GPU prefilled a mostly cached prompt slower than from scratch (the issue
   "Engine speed"). So a prefix, local or fetched, is cut to the whole blocks worth loading
-  (`cost_model.reuse_tokens`: by the cost model, loading them and computing the rest is
+  (`cost_model.reuse`: by the cost model, loading them and computing the rest is
   faster than computing more), down to none; the TTFT is that choice's, and the decision
   carries the cut (`load_limit_blocks`) to the prefill, which otherwise loads every block
   the store holds. Cost models without a loading cost never cut.
@@ -71,7 +71,7 @@ from typing import Any
 
 from mooncake.core.block_index import PrefixMatch
 from mooncake.core.cluster import Assigned, ClusterView, DecodeInstance, PrefillInstance
-from mooncake.core.cost_model import Costs, reuse_tokens
+from mooncake.core.cost_model import Costs, reuse
 from mooncake.core.cpp import CppConfig, CppGroup, choose_group
 from mooncake.core.tenancy import TenantShares
 from mooncake.events import RejectReason
@@ -152,7 +152,7 @@ class Choice:
     # Of the prefix's blocks, those read from an SSD (held nowhere reachable in DRAM).
     ssd_blocks: int = 0
     # Where the cost model judged loading more of the cached prefix than `prefix_blocks`
-    # slower than computing it (`_worth_loading`): the blocks the prefill may load at most.
+    # slower than computing it (`_Reuse`): the blocks the prefill may load at most.
     load_limit_blocks: int | None = None
 
 
@@ -236,15 +236,17 @@ def prefix_tokens(blocks: int, prompt_tokens: int, block_tokens: int) -> int:
 
 def _prefill_candidates(
     view: ClusterView, req: ScheduleRequest, cfg: ConductorConfig, costs: Costs, now: float
-) -> tuple[PrefixMatch, tuple[PrefillCandidate, ...], dict[str, int]]:
-    """The match, each prefill instance's candidate row, and how many of the blocks each
-    would load come from an SSD."""
+) -> tuple[PrefixMatch, tuple[PrefillCandidate, ...], dict[str, int], _Reuse]:
+    """The match, each prefill instance's candidate row, how many of the blocks each would
+    load come from an SSD, and the reuse memo its options were priced with."""
     match = view.blocks.match(req.keys, view.unsure_nodes)
     best = match.best_blocks
     node_blocks = match.node_blocks
     prompt = req.prompt_tokens
-    # Memo per (local prefix, of it on SSD): few distinct values among many instances.
+    # Memo per (local prefix, of it on SSD): few distinct values among many instances; and
+    # per prefix length, what of it is worth loading (`_Reuse`).
     option_of: dict[tuple[int, int], tuple[int, float, float, int]] = {}
+    worth = _Reuse(prompt, cfg.block_tokens, costs)
     out: list[PrefillCandidate] = []
     ssd_of: dict[str, int] = {}
     for p in view.prefill_order:
@@ -254,12 +256,29 @@ def _prefill_candidates(
         if option is None:
             pool_ssd = view.blocks.pool_ssd_blocks(req.keys, local, best, view.unsure_nodes)
             option = option_of[(local, local_ssd)] = _prefix_option(
-                local, best, prompt, cfg, costs, local_ssd, pool_ssd
+                local, best, prompt, cfg, costs, local_ssd, pool_ssd, worth
             )
         prefix, load, t_prefill, ssd_of[p.id] = option
         queue = p.queue_s(now)
         out.append((p.id, local, prefix, load, queue, load + queue + t_prefill))
-    return match, tuple(out), ssd_of
+    return match, tuple(out), ssd_of, worth
+
+
+class _Reuse:
+    """Of a prompt's first `blocks` cached blocks, those the cost model says to load and
+    the prefill's predicted seconds so (`cost_model.reuse`), memoized for one decision."""
+
+    def __init__(self, prompt: int, bt: int, costs: Costs) -> None:
+        self.prompt, self.bt, self.costs = prompt, bt, costs
+        self.memo: dict[int, tuple[int, float]] = {}
+
+    def __call__(self, blocks: int) -> tuple[int, float]:
+        got = self.memo.get(blocks)
+        if got is None:
+            tokens = prefix_tokens(blocks, self.prompt, self.bt)
+            used, seconds = reuse(self.costs.prefill, self.prompt, tokens, self.bt)
+            got = self.memo[blocks] = (blocks if used >= tokens else used // self.bt, seconds)
+        return got
 
 
 def _prefix_option(
@@ -270,38 +289,31 @@ def _prefix_option(
     costs: Costs,
     local_ssd: int = 0,
     pool_ssd: int = 0,
+    worth: _Reuse | None = None,
 ) -> tuple[int, float, float, int]:
     """(prefix blocks, load s, prefill s, blocks read from SSD) for an instance holding
     `local` blocks when the pool holds `best`: the threshold rule of the module docstring.
     Loading counts the transfer from the pool and the SSD reads of blocks held only on SSD
     (`local_ssd` of the local ones, `pool_ssd` of the pool's others). Of a prefix, only the
-    blocks worth loading are taken (`reuse_tokens`): where the cost model says loading a
-    cached block costs more than computing it saves, the prefix is shorter than what is
-    held, down to none (recompute), and nothing past it is fetched."""
+    blocks worth loading are taken (`cost_model.reuse`, memoized in `worth`): where the cost
+    model says loading a cached block costs more than computing it saves, the prefix is
+    shorter than what is held, down to none (recompute), and nothing past it is fetched."""
     bt = cfg.block_tokens
-    held, local = local, _worth_loading(local, prompt, bt, costs)
+    worth = worth or _Reuse(prompt, bt, costs)
+    held, (local, recompute) = local, worth(local)
     local_ssd = min(local_ssd, local)  # where the SSD-only ones lie is not known: all loaded
     local_load = costs.ssd_s(prefix_tokens(local_ssd, prompt, bt))
-    recompute = costs.prefill.prefill_s(prompt, prefix_tokens(local, prompt, bt))
     if not cfg.pool_fetch or best <= held:
         return local, local_load, recompute, local_ssd
-    best = _worth_loading(best, prompt, bt, costs)
+    best, fetched = worth(best)
     if best <= held:
         return local, local_load, recompute, local_ssd
     pool_ssd = min(pool_ssd, best - held)
     transfer = costs.transfer.transfer_s(prefix_tokens(best - held, prompt, bt))
     load = transfer + costs.ssd_s(prefix_tokens(local_ssd + pool_ssd, prompt, bt))
-    fetched = costs.prefill.prefill_s(prompt, prefix_tokens(best, prompt, bt))
     if best > cfg.balancing_threshold * held or load + fetched < local_load + recompute:
         return best, load, fetched, local_ssd + pool_ssd
     return local, local_load, recompute, local_ssd
-
-
-def _worth_loading(blocks: int, prompt: int, bt: int, costs: Costs) -> int:
-    """Of `blocks` leading cached blocks, those the cost model says to load (`reuse_tokens`)."""
-    tokens = prefix_tokens(blocks, prompt, bt)
-    used = reuse_tokens(costs.prefill, prompt, tokens, bt)
-    return blocks if used >= tokens else used // bt
 
 
 def batch_tbt_s(view: ClusterView, costs: Costs, batch: int, context_tokens: int) -> float:
@@ -365,7 +377,7 @@ def choose(
     view: ClusterView, req: ScheduleRequest, cfg: ConductorConfig, costs: Costs, now: float
 ) -> Choice | None:
     """Algorithm 1's selection; None when no prefill or no decode instance can take it."""
-    match, candidates, ssd_of = _prefill_candidates(view, req, cfg, costs, now)
+    match, candidates, ssd_of, worth = _prefill_candidates(view, req, cfg, costs, now)
     decodes = _decode_candidates(view, req.prompt_tokens, costs)
     if not candidates or not decodes:
         return None
@@ -375,10 +387,7 @@ def choose(
     # cost model cut the prefix short of what was offered, the work carries the limit.
     offered = max(local, match.best_blocks if cfg.pool_fetch else 0)
     limit = None
-    if (
-        prefix < offered
-        and _worth_loading(offered, req.prompt_tokens, cfg.block_tokens, costs) < offered
-    ):
+    if prefix < offered and worth(offered)[0] < offered:
         limit = prefix
     d = view.decode[_argmin(decodes, 5)[0]]
     copy = None

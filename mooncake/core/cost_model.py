@@ -204,8 +204,8 @@ def prefill_features(prompt: float, cached: float) -> tuple[float, ...]:
     pages, on a GPU across the host link), which grows with P. With non-negative
     coefficients the fit keeps the physics whatever noise the profile has: computing less
     never takes longer, loading more never takes less. Where loading a token costs more
-    than computing it saves (a small model on a GPU: PAPER.md, issue "Engine speed"), the
-    fit says so, and `reuse_point` answers how much of a cached prefix is worth loading."""
+    than computing it saves (a small model on a GPU, as the issue "Engine speed" measured),
+    the fit says so, and `reuse_point` answers how much of a cached prefix is worth loading."""
     n = prompt - cached
     return (1.0, n, n * n, prompt * prompt - cached * cached, cached)
 
@@ -214,44 +214,57 @@ def reuse_point(fit: PolyFit, prompt: float, cached: float) -> float:
     """The tokens of a cached prefix of `cached` (a prompt of `prompt`) whose reuse the
     fitted prefill time is least at, the rest recomputed: exact for the polynomial, which is
     a quadratic in the reused P (the least at an end of [0, cached] or at its vertex). Ties
-    go to reusing more."""
-    _, c1, c2, c3, c4 = fit.coef
-    points = [cached, 0.0]
+    go to reusing more. Without a loading cost, all of it (the time falls with P)."""
+    c = fit.coef
+    _, c1, c2, c3, c4 = c
+    if c4 == 0.0:
+        return cached
+    best, least = cached, _poly(c, prompt, cached)
     curvature = c2 - c3  # t(P) = c2 (L - P)² - c3 P² + (c4 - c1) P + ...
     if curvature > 0:
         vertex = (c1 + 2.0 * c2 * prompt - c4) / (2.0 * curvature)
-        if 0.0 < vertex < cached:
-            points.insert(1, vertex)
-    return min(points, key=lambda p: fit(prefill_features(prompt, p)))
+        if 0.0 < vertex < cached and (t := _poly(c, prompt, vertex)) < least:
+            best, least = vertex, t
+    return 0.0 if _poly(c, prompt, 0.0) < least else best
+
+
+def _poly(c: tuple[float, ...], prompt: float, p: float) -> float:
+    """The prefill polynomial at (L, P), written out (`prefill_features`; the Conductor
+    evaluates it several times a candidate)."""
+    n = prompt - p
+    return c[0] + c[1] * n + c[2] * n * n + c[3] * (prompt * prompt - p * p) + c[4] * p
 
 
 def poly_prefill_s(fit: PolyFit, prompt: float, cached: float) -> float:
     """A fitted prefill's seconds with the best reuse of up to `cached` tokens
     (`reuse_point`): non-increasing in `cached`, as every `PrefillModel` is."""
-    return fit(prefill_features(prompt, reuse_point(fit, prompt, cached)))
+    return _poly(fit.coef, prompt, reuse_point(fit, prompt, cached))
 
 
-def reuse_tokens(model: PrefillModel, prompt_tokens: int, cached_tokens: int, block: int) -> int:
-    """How many tokens of a cached prefix of `cached_tokens` (whole blocks of `block`
-    tokens) a prefill should load rather than compute, by `model`: every one unless loading
-    a shorter prefix and computing the rest is predicted faster. A `PrefillModel` answers
-    with the best reuse of up to `cached_tokens` (its time never grows with them), so this
-    is the fewest whole blocks that reach the least time: `cached_tokens` itself where
-    loading pays all the way (one extra prediction), else a bisection."""
+def reuse(model: PrefillModel, prompt_tokens: int, cached_tokens: int, block: int
+          ) -> tuple[int, float]:  # fmt: skip
+    """(tokens, seconds): how many tokens of a cached prefix of `cached_tokens` (whole
+    blocks of `block` tokens) a prefill should load rather than compute, by `model`, and
+    its predicted seconds so. Every one, unless loading a shorter prefix and computing the
+    rest is predicted faster. A `PrefillModel` answers with the best reuse of up to
+    `cached_tokens` (its time never grows with them), so this is the fewest whole blocks
+    that reach the least time: `cached_tokens` itself where loading pays all the way (one
+    more prediction than the time alone), else a bisection."""
+    least = model.prefill_s(prompt_tokens, cached_tokens)
     blocks = cached_tokens // block
-    if blocks < 1:
-        return cached_tokens
-    least = model.prefill_s(prompt_tokens, cached_tokens) * (1.0 + 1e-9)
-    if model.prefill_s(prompt_tokens, (blocks - 1) * block) > least:
-        return cached_tokens
+    if blocks < 1 or model.prefill_s(prompt_tokens, (blocks - 1) * block) > least * EVEN:
+        return cached_tokens, least
     lo, hi = 0, blocks - 1  # the answer, in blocks, is in [lo, hi]
     while lo < hi:
         mid = (lo + hi) // 2
-        if model.prefill_s(prompt_tokens, mid * block) <= least:
+        if model.prefill_s(prompt_tokens, mid * block) <= least * EVEN:
             hi = mid
         else:
             lo = mid + 1
-    return lo * block
+    return lo * block, least
+
+
+EVEN = 1.0 + 1e-9  # predictions this close are one (float rounding)
 
 
 def decode_features(batch: float, context: float) -> tuple[float, ...]:

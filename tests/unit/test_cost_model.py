@@ -19,8 +19,8 @@ from mooncake.core.cost_model import (
     parse_profile,
     poly_prefill_s,
     prefill_features,
+    reuse,
     reuse_point,
-    reuse_tokens,
 )
 
 TRUE_PREFILL = (0.02, 3e-5, 1e-9, 2e-10, 0.0)  # 1, n, n², L² - P², P (loading: free here)
@@ -95,17 +95,17 @@ def test_reuse_point_is_the_least_of_the_quadratic() -> None:
     assert t[1] <= t[0] and t[1] <= true_prefill(8192, 8000, coef)
 
 
-def test_reuse_tokens_loads_the_fewest_whole_blocks_that_reach_the_least_time() -> None:
+def test_reuse_loads_the_fewest_whole_blocks_that_reach_the_least_time() -> None:
     free = parse_profile(profile())
-    assert reuse_tokens(free, 4096, 3072, 512) == 3072  # loading is free: all of it
+    assert reuse(free, 4096, 3072, 512) == (3072, free.prefill_s(4096, 3072))  # all of it
     costly = parse_profile(profile(coef=COSTLY_LOAD))
-    assert reuse_tokens(costly, 4096, 3072, 512) == 0  # recompute it all
+    assert reuse(costly, 4096, 3072, 512) == (0, costly.prefill_s(4096, 0))  # recompute it
     convex = parse_profile(profile(coef=(0.0, 1e-4, 2e-9, 0.0, 1.2e-4)))
-    got = reuse_tokens(convex, 8192, 7680, 512)
-    assert got % 512 == 0 and 0 < got < 7680
+    got, seconds = reuse(convex, 8192, 7680, 512)
+    assert got % 512 == 0 and 0 < got < 7680 and seconds == convex.prefill_s(8192, 7680)
     assert got >= reuse_point(convex.prefill, 8192, 7680) > got - 512
     assert convex.prefill_s(8192, got) == pytest.approx(convex.prefill_s(8192, 7680))
-    assert reuse_tokens(costly, 4096, 300, 512) == 300  # no whole block: nothing to choose
+    assert reuse(costly, 4096, 300, 512)[0] == 300  # no whole block: nothing to choose
 
 
 def test_nonnegative_fit_drops_a_column_the_data_pushes_negative() -> None:
@@ -191,8 +191,8 @@ def test_a_chosen_reuse_is_never_predicted_slower_than_a_cold_prefill(
     model: AnalyticCostModel, prompt: int, cached: int, block: int
 ) -> None:
     cached = min(cached, prompt) // block * block
-    used = reuse_tokens(model, prompt, cached, block)
+    used, seconds = reuse(model, prompt, cached, block)
     assert used % block == 0 and 0 <= used <= cached
     t = model.prefill_s(prompt, used)
     assert t <= model.prefill_s(prompt, 0) * (1 + 1e-9)
-    assert t <= model.prefill_s(prompt, cached) * (1 + 1e-9)
+    assert t <= seconds * (1 + 1e-9) and seconds == model.prefill_s(prompt, cached)
