@@ -72,6 +72,55 @@ static inline void block_q8(const uint8_t* qs, const float* sc, int n, int nb, i
         }                                                                                    \
     }
 
+/* Rows of 4 or 8 (decode batches): two output columns at a time, so each x vector loaded
+ * is multiplied by both columns' widened blocks (a load per two FMAs, not per FMA), one
+ * accumulator a (row, column): 2 x MT of them, enough FMAs in flight to cover their
+ * latency. On a 2-vCPU Zen 4 EPYC, 8 rows of SmolLM2's GEMMs: 0.97-1.07x on the 576-wide
+ * inputs, 1.56x on the 1,536-wide one (whose 8 rows of x, 48 KiB, outgrow L1), and batch-8
+ * decode ~370 -> ~400 tok/s. */
+#define Q_TILE2(NAME, MT, WIDEN)                                                             \
+    static void NAME(const uint8_t* qs, const float* sc, const float* x, int K, float* y,   \
+                     int N, int n0, int n1) {                                                \
+        const int nb = K / QK;                                                               \
+        int n = n0;                                                                          \
+        for (; n + 2 <= n1; n += 2) {                                                        \
+            __m512 a[MT], c[MT];                                                             \
+            for (int r = 0; r < MT; r++) { a[r] = _mm512_setzero_ps(); c[r] = a[r]; }       \
+            for (int b = 0; b < nb; b++) {                                                   \
+                __m512 lo, hi, lo2, hi2;                                                     \
+                WIDEN(qs, sc, n, nb, b, lo, hi);                                             \
+                WIDEN(qs, sc, n + 1, nb, b, lo2, hi2);                                       \
+                for (int r = 0; r < MT; r++) {                                               \
+                    const float* xr = x + (size_t)r * K + (size_t)b * QK;                    \
+                    const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);   \
+                    a[r] = _mm512_fmadd_ps(lo, x0, a[r]);                                    \
+                    c[r] = _mm512_fmadd_ps(lo2, x0, c[r]);                                   \
+                    a[r] = _mm512_fmadd_ps(hi, x1, a[r]);                                    \
+                    c[r] = _mm512_fmadd_ps(hi2, x1, c[r]);                                   \
+                }                                                                            \
+            }                                                                                \
+            for (int r = 0; r < MT; r++) {                                                   \
+                y[(size_t)r * N + n] = _mm512_reduce_add_ps(a[r]);                           \
+                y[(size_t)r * N + n + 1] = _mm512_reduce_add_ps(c[r]);                       \
+            }                                                                                \
+        }                                                                                    \
+        for (; n < n1; n++) {                                                                \
+            __m512 a0[MT], a1[MT];                                                           \
+            for (int r = 0; r < MT; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = a0[r]; }     \
+            for (int b = 0; b < nb; b++) {                                                   \
+                __m512 lo, hi;                                                               \
+                WIDEN(qs, sc, n, nb, b, lo, hi);                                             \
+                for (int r = 0; r < MT; r++) {                                               \
+                    const float* xr = x + (size_t)r * K + (size_t)b * QK;                    \
+                    a0[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), a0[r]);                 \
+                    a1[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), a1[r]);            \
+                }                                                                            \
+            }                                                                                \
+            for (int r = 0; r < MT; r++)                                                     \
+                y[(size_t)r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));    \
+        }                                                                                    \
+    }
+
 /* The 32 values of block b of row n as two vectors of 16 floats. */
 #define WIDEN_Q4(qs, sc, n, nb, b, lo, hi)                                                     \
     do {                                                                                       \
@@ -187,10 +236,15 @@ static inline float hsum256(__m256 v) {
 #define WIDEN_Q8(qs, sc, n, nb, b, w) block_q8(qs, sc, n, nb, b, w)
 #endif
 
-Q_TILE(q4_1, 1, WIDEN_Q4) Q_TILE(q4_2, 2, WIDEN_Q4) Q_TILE(q4_4, 4, WIDEN_Q4)
-Q_TILE(q4_8, 8, WIDEN_Q4)
-Q_TILE(q8_1, 1, WIDEN_Q8) Q_TILE(q8_2, 2, WIDEN_Q8) Q_TILE(q8_4, 4, WIDEN_Q8)
-Q_TILE(q8_8, 8, WIDEN_Q8)
+Q_TILE(q4_1, 1, WIDEN_Q4) Q_TILE(q4_2, 2, WIDEN_Q4)
+Q_TILE(q8_1, 1, WIDEN_Q8) Q_TILE(q8_2, 2, WIDEN_Q8)
+#ifdef __AVX512F__
+Q_TILE2(q4_4, 4, WIDEN_Q4) Q_TILE2(q4_8, 8, WIDEN_Q4)
+Q_TILE2(q8_4, 4, WIDEN_Q8) Q_TILE2(q8_8, 8, WIDEN_Q8)
+#else
+Q_TILE(q4_4, 4, WIDEN_Q4) Q_TILE(q4_8, 8, WIDEN_Q4)
+Q_TILE(q8_4, 4, WIDEN_Q8) Q_TILE(q8_8, 8, WIDEN_Q8)
+#endif
 
 typedef void (*tile_fn)(const uint8_t*, const float*, const float*, int, float*, int, int, int);
 
