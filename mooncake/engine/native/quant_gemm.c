@@ -78,7 +78,7 @@ static inline void block_q8(const uint8_t* qs, const float* sc, int n, int nb, i
  * latency. On a 2-vCPU Zen 4 EPYC, 8 rows of SmolLM2's GEMMs: 0.97-1.07x on the 576-wide
  * inputs, 1.56x on the 1,536-wide one (whose 8 rows of x, 48 KiB, outgrow L1), and batch-8
  * decode ~370 -> ~400 tok/s. */
-#define Q_TILE2(NAME, MT, WIDEN)                                                             \
+#define Q_TILE2(NAME, MT, WIDEN, ONE)                                                        \
     static void NAME(const uint8_t* qs, const float* sc, const float* x, int K, float* y,   \
                      int N, int n0, int n1) {                                                \
         const int nb = K / QK;                                                               \
@@ -104,21 +104,7 @@ static inline void block_q8(const uint8_t* qs, const float* sc, int n, int nb, i
                 y[(size_t)r * N + n + 1] = _mm512_reduce_add_ps(c[r]);                       \
             }                                                                                \
         }                                                                                    \
-        for (; n < n1; n++) {                                                                \
-            __m512 a0[MT], a1[MT];                                                           \
-            for (int r = 0; r < MT; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = a0[r]; }     \
-            for (int b = 0; b < nb; b++) {                                                   \
-                __m512 lo, hi;                                                               \
-                WIDEN(qs, sc, n, nb, b, lo, hi);                                             \
-                for (int r = 0; r < MT; r++) {                                               \
-                    const float* xr = x + (size_t)r * K + (size_t)b * QK;                    \
-                    a0[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), a0[r]);                 \
-                    a1[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), a1[r]);            \
-                }                                                                            \
-            }                                                                                \
-            for (int r = 0; r < MT; r++)                                                     \
-                y[(size_t)r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));    \
-        }                                                                                    \
+        if (n < n1) ONE(qs, sc, x, K, y, N, n, n1); /* an odd column left: Q_TILE's */     \
     }
 
 /* The 32 values of block b of row n as two vectors of 16 floats. */
@@ -239,8 +225,10 @@ static inline float hsum256(__m256 v) {
 Q_TILE(q4_1, 1, WIDEN_Q4) Q_TILE(q4_2, 2, WIDEN_Q4)
 Q_TILE(q8_1, 1, WIDEN_Q8) Q_TILE(q8_2, 2, WIDEN_Q8)
 #ifdef __AVX512F__
-Q_TILE2(q4_4, 4, WIDEN_Q4) Q_TILE2(q4_8, 8, WIDEN_Q4)
-Q_TILE2(q8_4, 4, WIDEN_Q8) Q_TILE2(q8_8, 8, WIDEN_Q8)
+Q_TILE(q4_4c, 4, WIDEN_Q4) Q_TILE(q4_8c, 8, WIDEN_Q4)
+Q_TILE(q8_4c, 4, WIDEN_Q8) Q_TILE(q8_8c, 8, WIDEN_Q8)
+Q_TILE2(q4_4, 4, WIDEN_Q4, q4_4c) Q_TILE2(q4_8, 8, WIDEN_Q4, q4_8c)
+Q_TILE2(q8_4, 4, WIDEN_Q8, q8_4c) Q_TILE2(q8_8, 8, WIDEN_Q8, q8_8c)
 #else
 Q_TILE(q4_4, 4, WIDEN_Q4) Q_TILE(q4_8, 8, WIDEN_Q4)
 Q_TILE(q8_4, 4, WIDEN_Q8) Q_TILE(q8_8, 8, WIDEN_Q8)
