@@ -256,7 +256,7 @@ def _prefill_candidates(
         if option is None:
             pool_ssd = view.blocks.pool_ssd_blocks(req.keys, local, best, view.unsure_nodes)
             option = option_of[(local, local_ssd)] = _prefix_option(
-                local, best, prompt, cfg, costs, local_ssd, pool_ssd, worth
+                local, best, cfg, costs, worth, local_ssd, pool_ssd
             )
         prefix, load, t_prefill, ssd_of[p.id] = option
         queue = p.queue_s(now)
@@ -284,12 +284,11 @@ class _Reuse:
 def _prefix_option(
     local: int,
     best: int,
-    prompt: int,
     cfg: ConductorConfig,
     costs: Costs,
+    worth: _Reuse,
     local_ssd: int = 0,
     pool_ssd: int = 0,
-    worth: _Reuse | None = None,
 ) -> tuple[int, float, float, int]:
     """(prefix blocks, load s, prefill s, blocks read from SSD) for an instance holding
     `local` blocks when the pool holds `best`: the threshold rule of the module docstring.
@@ -298,8 +297,7 @@ def _prefix_option(
     blocks worth loading are taken (`cost_model.reuse`, memoized in `worth`): where the cost
     model says loading a cached block costs more than computing it saves, the prefix is
     shorter than what is held, down to none (recompute), and nothing past it is fetched."""
-    bt = cfg.block_tokens
-    worth = worth or _Reuse(prompt, bt, costs)
+    bt, prompt = cfg.block_tokens, worth.prompt
     held, (local, recompute) = local, worth(local)
     local_ssd = min(local_ssd, local)  # where the SSD-only ones lie is not known: all loaded
     local_load = costs.ssd_s(prefix_tokens(local_ssd, prompt, bt))

@@ -11,7 +11,7 @@ Pure: numbers in, seconds out. Two families share one interface (`PrefillModel`,
 Physics the models keep (and the tests check): prefill time never decreases with the prompt
 length and never increases with the cached prefix - a prediction is the prefill's with the
 best reuse of that prefix, since loading a cached token can cost more than computing it
-saves, and `reuse_tokens` says how much of it to load; a decode step never gets faster with
+saves, and `reuse` says how much of it to load; a decode step never gets faster with
 a larger batch or a longer context; moving more tokens never takes less time.
 """
 
@@ -241,6 +241,9 @@ def poly_prefill_s(fit: PolyFit, prompt: float, cached: float) -> float:
     return _poly(fit.coef, prompt, reuse_point(fit, prompt, cached))
 
 
+EVEN = 1.0 + 1e-9  # predictions this close are one (float rounding)
+
+
 def reuse(model: PrefillModel, prompt_tokens: int, cached_tokens: int, block: int
           ) -> tuple[int, float]:  # fmt: skip
     """(tokens, seconds): how many tokens of a cached prefix of `cached_tokens` (whole
@@ -262,9 +265,6 @@ def reuse(model: PrefillModel, prompt_tokens: int, cached_tokens: int, block: in
         else:
             lo = mid + 1
     return lo * block, least
-
-
-EVEN = 1.0 + 1e-9  # predictions this close are one (float rounding)
 
 
 def decode_features(batch: float, context: float) -> tuple[float, ...]:
