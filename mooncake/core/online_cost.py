@@ -135,6 +135,8 @@ class _Stage:
 
 PRIOR_CAP = 64  # measured rows kept as the anchor (a profile's, or workers' timings)
 FULL_FIT_SIZES = 6  # distinct sizes before prefill rows fit the whole polynomial
+# ... and before they fit the attention term's weight (a worker's calibration has 3).
+SHAPE_FREE_SIZES = 3
 
 
 def full_prefill(rows: Sequence[Sample], load_per_token: float = 0.0) -> Predictor:
@@ -156,8 +158,11 @@ def shaped_prefill(
     size d alone. Two timings (a worker's calibration) fix c0 and c1; the whole polynomial
     fits two rows exactly with whichever two of its terms come first, and on SmolLM2
     (d = 576: the attention term is 2.6x the rest at 8,192 tokens) missed an 8 k-token
-    prefill by 2.7x (tests/unit/test_online_cost.py). From `FULL_FIT_SIZES` distinct sizes
-    on, the whole polynomial (`full_prefill`). Either way loading a cached token costs the
+    prefill by 2.7x (tests/unit/test_online_cost.py). From `SHAPE_FREE_SIZES` distinct
+    counts of new tokens (a worker's calibration times three), the attention term's weight
+    is fitted too (c0 + c1 * (L - P) + c3 * (L² - P²)): where the GEMMs run on faster units
+    than the attention, the FLOPs' k is too small. From `FULL_FIT_SIZES` distinct sizes on,
+    the whole polynomial (`full_prefill`). Either way loading a cached token costs the
     seed's `load_per_token` (`cost_model.load_s_per_token`; 0 without a profile), not a
     refitted one, and a prediction is the best reuse of the prefix (`poly_prefill_s`)."""
 
@@ -166,13 +171,21 @@ def shaped_prefill(
         if attention_per_token is None or len(sizes) >= FULL_FIT_SIZES:
             return full_prefill(rows, load_per_token)
         k = attention_per_token
+        seconds = [t - load_per_token * z for x, z, t in rows]
+        new_sizes = {x - z for x, z in sizes}
+        if len(new_sizes) >= SHAPE_FREE_SIZES:
+            # Enough sizes to see the curve: the attention term's own weight, not the FLOPs'
+            # (bfloat16 GEMMs on AMX run ~4x faster than the attention beside them, so the
+            # FLOPs' share called a 3,000-token prompt ~2x cheaper than it ran: issue 42).
+            free = fit_nonnegative([(1.0, x - z, x * x - z * z) for x, z, _ in rows], seconds)
+            c0, c1, c3 = free.coef
+            poly = PolyFit((c0, c1, 0.0, c3, load_per_token), free.rmse, free.samples)
+            return lambda prompt, cached: poly_prefill_s(poly, prompt, cached)
 
         def work(prompt: float, cached: float) -> float:
             return (prompt - cached) + k * (prompt * prompt - cached * cached)
 
-        fit = fit_nonnegative(
-            [(1.0, work(x, z)) for x, z, _ in rows], [t - load_per_token * z for x, z, t in rows]
-        )
+        fit = fit_nonnegative([(1.0, work(x, z)) for x, z, _ in rows], seconds)
         c0, c1 = fit.coef
         poly = PolyFit((c0, c1, 0.0, c1 * k, load_per_token), fit.rmse, fit.samples)
         return lambda prompt, cached: poly_prefill_s(poly, prompt, cached)

@@ -162,7 +162,8 @@ def profile_engine(
 
 # What a worker times at start for the Conductor's cost model (EngineSettings.calibrate):
 # few and small, so a start is not held up, and two sizes apart, so a fit has a slope.
-CALIBRATION_PROMPTS = (64, 512)
+# Three sizes: the third shows the attention's share of a long prompt (online_cost).
+CALIBRATION_PROMPTS = (64, 512, 2048)
 CALIBRATION_BATCHES = (1, 4)
 CALIBRATION_CONTEXT = 256
 

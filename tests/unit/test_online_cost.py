@@ -218,6 +218,30 @@ def test_two_timings_extrapolate_with_the_flops_shape_of_the_model() -> None:
     assert miss > 2 or miss < 0.5
 
 
+def test_three_timings_fit_an_attention_share_the_flops_do_not_predict() -> None:
+    """Where the GEMMs run on faster units than the attention (bfloat16 GEMMs on AMX beside
+    float32-rate attention: issue 42), the attention term weighs several times what the
+    FLOPs' k says. Two timings keep k and call a 3,000-token prefill too cheap; a
+    calibration of three sizes fits the term's weight and predicts it within 5 %."""
+    from mooncake.core import cluster as cl
+    from mooncake.core.online_cost import attention_per_token, observe_fact
+
+    k = 5 * attention_per_token(576)
+
+    def machine(prompt: float, cached: float) -> float:
+        return 0.02 + 3e-4 * ((prompt - cached) + k * (prompt * prompt - cached * cached))
+
+    seed = reference_costs()
+    two = OnlineCostModel(seed.prefill, seed.decode, hidden=576)
+    three = OnlineCostModel(seed.prefill, seed.decode, hidden=576)
+    for m, sizes in ((two, (64, 512)), (three, (64, 512, 2048))):
+        rows = tuple((float(p), 0.0, machine(p, 0)) for p in sizes)
+        observe_fact(m, cl.EngineCalibrated("p1", "prefill", rows))
+    assert two.prefill_s(3000, 0) < 0.8 * machine(3000, 0)
+    assert three.prefill_s(3000, 0) == pytest.approx(machine(3000, 0), rel=0.05)
+    assert three.prefill_s(3000, 512) == pytest.approx(machine(3000, 512), rel=0.05)
+
+
 def test_loading_costs_what_the_profile_measured_and_a_slow_cluster_is_slow_compute() -> None:
     """A profile whose engine loads a cached token in 1 ms (more than computing one saves):
     the refit keeps that cost and fits the computing to the rest, so a cluster twice as
