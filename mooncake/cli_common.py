@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mooncake.config import Settings, load_settings
+from mooncake.config import Settings, load_settings, resolve_precision
 
 console = Console()
 err = Console(stderr=True)
@@ -28,19 +28,22 @@ def settings_or_exit(**overrides: object) -> Settings:
 
 ATTENTION_HELP = (
     "Prefill attention's products: float32, or bfloat16 where the CPU has AVX512_BF16 and "
-    "it measures faster there (engine.attention)"
+    "it measures faster there, or auto (bfloat16 where faster, silently float32 elsewhere; "
+    "engine.attention)"
 )
 GEMM_HELP = (
     "Prefill GEMMs' products over quantized weights: float32, or bfloat16 where the CPU has "
-    "AMX or AVX512_BF16 and it measures faster there (engine.gemm)"
+    "AMX or AVX512_BF16 and it measures faster there, or auto (bfloat16 where faster, "
+    "silently float32 elsewhere; engine.gemm)"
 )
 
 
 def precision(value: str, option: str) -> Literal["float32", "bfloat16"]:
-    """An --attention / --gemm value, or a usage error (exit 2) naming the choices."""
-    if value not in ("float32", "bfloat16"):
-        raise typer.BadParameter("float32 or bfloat16", param_hint=option)
-    return "bfloat16" if value == "bfloat16" else "float32"
+    """An --attention / --gemm value (auto: bfloat16 where it measures faster, as
+    `config.resolve_precision`), or a usage error (exit 2) naming the choices."""
+    if value not in ("auto", "float32", "bfloat16"):
+        raise typer.BadParameter("auto, float32 or bfloat16", param_hint=option)
+    return "float32" if value == "float32" else resolve_precision("bfloat16")
 
 
 KV_CACHE_HELP = (

@@ -23,6 +23,17 @@ from mooncake.namespace import Namespace
 DEFAULT_DATA_DIR = Path(".mooncake")
 RUNTIME_ENV = DEFAULT_DATA_DIR / "runtime.env"
 # A NATS subject without wildcards: dot-separated tokens.
+# A prefill precision setting (EngineSettings.attention, .gemm): "auto" is bfloat16 where it
+# measures faster on this CPU, silently float32 elsewhere (`resolve_precision`).
+Precision = Literal["auto", "float32", "bfloat16"]
+
+
+def resolve_precision(value: Precision) -> Literal["float32", "bfloat16"]:
+    """What the engine is asked for: bfloat16 for "auto" and "bfloat16" (the engine takes it
+    only where it measures faster), float32 for "float32"."""
+    return "float32" if value == "float32" else "bfloat16"
+
+
 SUBJECT_PREFIX = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
 
 
@@ -146,13 +157,14 @@ class EngineSettings(BaseModel):
     decode: Literal["fused", "eager"] = "fused"
     # Prefill attention's products (the CPU's native kernel): float32, or bfloat16 where the
     # CPU has AVX512_BF16 dot products and that kernel measures >= 1.1x float32's speed at
-    # start (float32 elsewhere, with a warning; ~0.65x on a Xeon without AMX): ~1.5x faster
+    # start (float32 elsewhere, with a warning; ~0.65x on a Xeon without AMX); auto (the
+    # default): bfloat16 where it measures faster, float32 without a warning elsewhere. ~1.5x faster
     # attention (the part of a prefill that grows with the prompt's square), queries, keys,
     # values and softmax weights rounded to bfloat16 (sums in float32), as GPU servers run
     # bf16 models and llama.cpp its f16 KV.
     # SmolLM2: logits within ~0.1-0.6 of float32's, the same argmax at ~99 % of the
     # positions of a random 512-token prompt (BENCHMARKS.md).
-    attention: Literal["float32", "bfloat16"] = "float32"
+    attention: Precision = "auto"
     # Prefill GEMMs' products over the quantized weights: float32, or bfloat16 where the CPU
     # multiplies bfloat16 matrices in hardware (AMX tiles, AVX512_BF16) and oneDNN's
     # bfloat16 GEMM measures >= 1.1x float32's speed at start (float32 elsewhere, with a
@@ -160,9 +172,17 @@ class EngineSettings(BaseModel):
     # 512-token prefill ~1.9x and a 2,048-token one ~1.7x faster. Weights and activations
     # rounded to bfloat16, the products summed in float32 (oneDNN): SmolLM2's logits move
     # from float32's as far as transformers' own bfloat16 model's do
-    # (BENCHMARKS.md). Decode steps stay float32.
-    gemm: Literal["float32", "bfloat16"] = "float32"
+    # (BENCHMARKS.md). Decode steps stay float32. auto (the default): bfloat16 where it
+    # measures faster (4.1x on a 2-vCPU Xeon with AMX, issue 42), float32 without a warning
+    # elsewhere: a server takes its CPU's fastest path as vLLM takes oneDNN's bfloat16.
+    gemm: Precision = "auto"
     dummy: DummyModel = DummyModel()
+    # Engine workers of one host that name the same directory take turns at its CPUs
+    # (engine/turns.py): a decode step at a time, a prefill `turn_quantum_s` at a time while
+    # a decode step waits, each on every CPU while it holds the turn. `mooncake up` sets it
+    # (<data_dir>/cores); None: this worker computes whenever it has work.
+    turns_dir: Path | None = None
+    turn_quantum_s: Annotated[float, Field(gt=0, le=10)] = 0.05
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV
     # pool, `Settings.kv_cache_bytes`).
     max_batch: Annotated[int, Field(ge=1, le=1024)] = 32

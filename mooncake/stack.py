@@ -20,6 +20,7 @@ import psutil
 from rich.table import Table
 
 from mooncake.config import Settings
+from mooncake.cpus import available
 from mooncake.db.engine import upgrade
 from mooncake.services import (
     EmbeddedNats,
@@ -35,14 +36,18 @@ log = logging.getLogger(__name__)
 
 # (role, instances) in start order.
 Layout: TypeAlias = tuple[tuple[str, int], ...]
-# The whole system on one machine (`mooncake up`'s): prefill and decode workers each pool
-# their own DRAM into the store (an embedded store node).
+# The whole system on one machine (`mooncake up`'s): one prefill and one decode instance,
+# each pooling its own DRAM into the store (an embedded store node), and each running as many
+# torch threads as the machine has CPUs: the two lend each other their cores (a lone prompt
+# prefills on all of them; a decode step takes its share while both run). Issue 42 measured
+# the old layout, 2 + 2 workers of one thread each on 2 cores: a lone 512-token prompt waited
+# for one core, and a prefill-heavy load left the decode workers' half of the machine idle.
 LAYOUT: Layout = (
     ("recorder", 1),
     ("store-master", 1),
     ("conductor", 1),
-    ("prefill", 2),
-    ("decode", 2),
+    ("prefill", 1),
+    ("decode", 1),
     # The OpenAI-compatible HTTP API (gateway.port, 8000 unless configured or taken).
     ("gateway", 1),
 )
@@ -180,9 +185,12 @@ class Stack:
                 env[f"MOONCAKE_ENGINE__DUMMY__{name.upper()}"] = str(value)
         env["MOONCAKE_SLO__TTFT_S"] = str(self.settings.slo.ttft_s)
         env["MOONCAKE_SLO__TBT_S"] = str(self.settings.slo.tbt_s)
-        # Several engine processes share this machine's cores: one torch thread each,
-        # unless configured otherwise.
-        env.setdefault("MOONCAKE_ENGINE__THREADS", "1")
+        # The engine processes share this machine's cores: each runs a torch thread per CPU
+        # (unless configured otherwise), so whichever is busy uses them all.
+        env.setdefault("MOONCAKE_ENGINE__THREADS", str(len(available())))
+        # ... by turns (engine/turns.py): running at once, their threads would wait on each
+        # other's at every OpenMP barrier.
+        env.setdefault("MOONCAKE_ENGINE__TURNS_DIR", str(self.settings.data_dir / "cores"))
         # ... and its memory: each engine worker's KV pool is one share of it (or the budget
         # given to `up`, which then overrides the environment's).
         env["MOONCAKE_ENGINE_WORKERS_PER_HOST"] = str(self.engine_workers)

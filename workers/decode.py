@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Final
 
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -56,7 +57,7 @@ from workers.runtime import WorkerContext, configure_logging, worker_context
 
 log = logging.getLogger("mooncake.decode")
 
-ROLE = "decode"
+ROLE: Final = "decode"
 LOAD_EVERY_S = 0.25
 RECONCILE_EVERY_S = 1.0  # look up the terminal slot of every held request this often
 
@@ -286,7 +287,7 @@ class DecodeWorker:
 
 async def run(ctx: WorkerContext, engine: Engine | None = None) -> None:
     if engine is None:
-        engine = await asyncio.to_thread(build_engine, ctx.settings)
+        engine = await asyncio.to_thread(build_engine, ctx.settings, ROLE)
     await asyncio.to_thread(warm_decode, engine, ctx.settings.engine.max_batch)
     bucket = await terminal.open_bucket(ctx.js, ctx.ns, ctx.settings.bus.replicas)
     async with local_store(ctx.nc, ctx.settings, node_id=ctx.instance_id) as store:

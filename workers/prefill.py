@@ -33,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Final
 
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -86,7 +87,7 @@ from workers.runtime import WorkerContext, configure_logging, worker_context
 
 log = logging.getLogger("mooncake.prefill")
 
-ROLE = "prefill"
+ROLE: Final = "prefill"
 LOAD_INTERVAL_S = 0.25
 QUEUE_POLL_S = 1.0  # how often the consumer's pending count is asked for (a JetStream call)
 DONE_MEMORY = 4096  # (request, attempt) pairs finished here: a redelivery of one is just acked
@@ -544,7 +545,7 @@ async def serve(ctx: WorkerContext, engine: Engine) -> None:
 
 
 async def main(settings: Settings, instance_id: str | None = None) -> None:
-    engine = build_engine(settings)
+    engine = build_engine(settings, ROLE)
     async with worker_context(settings, ROLE, instance_id) as ctx:
         await serve(ctx, engine)
 

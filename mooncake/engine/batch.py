@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from mooncake.core import kv_admission
 from mooncake.engine.engine import Engine, Prefilled
@@ -133,23 +134,27 @@ class DecodeBatch:
         return len(self.running)
 
     @torch.inference_mode()
+    def _logits(self, seqs: list[Sequence]) -> Tensor:
+        """One decode step's logits [batch, vocab] for `seqs`."""
+        graphs, kvs = self.engine.graphs, [s.kv for s in seqs]
+        if graphs is not None and graphs.applies(len(seqs), max(len(kv.pages) for kv in kvs)):
+            return graphs([s.output[-1] for s in seqs], kvs)
+        ids = torch.tensor([[s.output[-1]] for s in seqs], device=self.engine.device)
+        backend = PagedDecode(self.pool, kvs)
+        fused = self.engine.fused
+        if fused is not None:
+            return fused(ids, backend)
+        out: Tensor = self.engine.model(ids, backend.positions[:, None], backend)
+        return out
+
     def step(self) -> list[Completion]:
         """Decode one token for every running sequence; returns those that finished (and
         left the batch). Sequences preempted for room are in `preempted`."""
         seqs = self._make_room()
         if not seqs:
             return []
-        graphs, kvs = self.engine.graphs, [s.kv for s in seqs]
-        if graphs is not None and graphs.applies(len(seqs), max(len(kv.pages) for kv in kvs)):
-            logits = graphs([s.output[-1] for s in seqs], kvs)
-        else:
-            ids = torch.tensor([[s.output[-1]] for s in seqs], device=self.engine.device)
-            backend = PagedDecode(self.pool, kvs)
-            fused = self.engine.fused
-            if fused is not None:
-                logits = fused(ids, backend)
-            else:
-                logits = self.engine.model(ids, backend.positions[:, None], backend)
+        with self.engine.turns.turn():  # the host's CPUs, for this step (engine.turns)
+            logits = self._logits(seqs)
         for s in seqs:
             s.kv.length += 1
         # Greedy rows (the common case) take their token from one argmax over the batch.

@@ -22,9 +22,10 @@ from mooncake.engine.fused import FusedDecode
 from mooncake.engine.graphs import GraphDecode
 from mooncake.engine.kv import BlockLayout
 from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks
-from mooncake.engine.paged import PagedPrefill, prefill_kernel
+from mooncake.engine.paged import PagedPrefill, prefill_attention_choice
 from mooncake.engine.pool import KVPool, KVPoolExhausted, PagedKV, page_tokens_for
 from mooncake.engine.tokenizer import ChatTokenizer
+from mooncake.engine.turns import NO_TURNS, TurnHooks, Turns
 from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, request_keys
 from mooncake.memory import compute_heap
 
@@ -91,12 +92,16 @@ class Engine:
         # "bfloat16": prefill attention's products in bfloat16 where the CPU has them and
         # they measure faster (EngineSettings.attention; paged.prefill_kernel).
         self.attention = attention
+        self._attention_path: str | None = None  # prefill_attention, chosen at first use
         # "bfloat16": prefill GEMMs over quantized weights in bfloat16 where the CPU has
         # bfloat16 matrix instructions that measure faster (EngineSettings.gemm;
         # Decoder.use_bf16_gemms, gemm.bf16_gemms_fast). The
         # model is this engine's: the choice is set on it.
         self.gemm = gemm
         model.use_bf16_gemms(gemm == "bfloat16")
+        # Turns at the host's CPUs with its other engine processes (engine.turns): none
+        # unless the worker that runs this engine shares its host (`serving.models`).
+        self.turns: Turns = NO_TURNS
 
     @property
     def decode_path(self) -> str:
@@ -108,13 +113,13 @@ class Engine:
 
     @property
     def prefill_attention(self) -> str:
-        """How prefill attention runs: "native bfloat16" or "native float32" (the CPU's
-        prefill kernel, engine.native), or "torch" (the model's attention: other devices
-        and dtypes, or no C compiler)."""
-        kernel = prefill_kernel(self.pool, self.attention == "bfloat16")
-        if kernel is None:
-            return "torch"
-        return "native bfloat16" if kernel.bf16 else "native float32"
+        """How prefill attention runs: "torch bfloat16" (torch's fused attention over
+        bfloat16 copies), "native bfloat16" or "native float32" (the CPU's prefill kernel,
+        engine.native), or "torch" (the model's attention: other devices and dtypes, or no C
+        compiler). bfloat16 only where asked for and it measures faster here."""
+        if self._attention_path is None:
+            self._attention_path = prefill_attention_choice(self.pool, self.attention == "bfloat16")
+        return self._attention_path
 
     @property
     def prefill_gemm(self) -> str:
@@ -124,7 +129,9 @@ class Engine:
 
     def prefill_backend(self, kv: PagedKV, start: int, new: int) -> PagedPrefill:
         """The attention backend of a prefill of `new` tokens after `start` held in `kv`."""
-        return PagedPrefill(kv, start, new, bf16=self.attention == "bfloat16")
+        path = self.prefill_attention
+        return PagedPrefill(kv, start, new, bf16=path == "native bfloat16",
+                            torch_bf16=path == "torch bfloat16")  # fmt: skip
 
     @property
     def device(self) -> torch.device:
@@ -230,8 +237,10 @@ class Engine:
         ids = torch.tensor([new], device=self.device)
         positions = torch.arange(start, len(tokens), device=self.device)[None]
         backend = self.prefill_backend(kv, start, len(new))
-        with compute_heap():
-            logits = self.model(ids, positions, backend, hooks, last_only=not all_logits)[0]
+        with self.turns.turn(), compute_heap():
+            logits = self.model(
+                ids, positions, backend, TurnHooks(hooks, self.turns), last_only=not all_logits
+            )[0]
         kv.length = len(tokens)
         return Prefilled(tokens=tokens, kv=kv, logits=logits, cached_tokens=start)
 

@@ -10,13 +10,14 @@ import torch
 
 from mooncake import events as ev
 from mooncake import memory
-from mooncake.config import Settings
+from mooncake.config import Settings, resolve_precision
 from mooncake.cpus import format_cpus, parse_cpus, pin_process
 from mooncake.engine import Engine, dummy_model, gemm, paged
 from mooncake.engine import SamplingParams as EngineSampling
 from mooncake.engine.errors import EngineError
 from mooncake.engine.profile import calibrate
 from mooncake.engine.speed import FASTER
+from mooncake.engine.turns import NO_TURNS, CoreTurns, Side, Turns
 from mooncake.model_info import dummy_spec
 from mooncake.serving.cpp_group import inbox_bytes_bound
 from mooncake.work import EngineTiming
@@ -31,9 +32,10 @@ def kv_budget_bytes(settings: Settings) -> int:
     return memory.default_kv_cache_bytes(memory.machine_memory(), settings.engine_workers_per_host)
 
 
-def build_engine(settings: Settings) -> Engine:
+def build_engine(settings: Settings, role: Side | None = None) -> Engine:
     """The configured model on the configured device with its KV pool (EngineError on a bad
-    model file, or a budget that cannot hold one full context)."""
+    model file, or a budget that cannot hold one full context); `role`: the worker's, whose
+    side of the host's turns the engine takes where `engine.turns_dir` is set."""
     s = settings.engine
     pinned = pin_engine(s.cpus)
     threads = s.threads if s.threads is not None else len(pinned) if pinned else None
@@ -49,17 +51,27 @@ def build_engine(settings: Settings) -> Engine:
         model, tokenizer = loaded.model, loaded.tokenizer
     model.pack_weights()  # on the CPU: one (packed) copy of the weights, not two
     memory.release_free_heap()  # what dequantizing and packing the weights left in the heap
-    engine = Engine(
-        model,
-        tokenizer,
-        block_tokens=settings.block_tokens,
-        hash_seed=settings.hash_seed,
-        model_id=settings.model_id,
-        kv_budget_bytes=kv_budget_bytes(settings),
-        decode=s.decode,
-        attention=s.attention,
-        gemm=s.gemm,
-    )
+    turns: Turns = NO_TURNS
+    if role is not None and s.turns_dir is not None and model.device.type == "cpu":
+        turns = CoreTurns(s.turns_dir, role, s.turn_quantum_s)
+        log.info("engine: takes turns at this host's CPUs (%s, %s side, quantum %.0f ms)",
+                 s.turns_dir, role, s.turn_quantum_s * 1e3)  # fmt: skip
+    # The bfloat16 probes time kernels against each other: inside a turn, so that another
+    # engine of this host starting at the same time does not decide for them.
+    with turns.turn():
+        engine = Engine(
+            model,
+            tokenizer,
+            block_tokens=settings.block_tokens,
+            hash_seed=settings.hash_seed,
+            model_id=settings.model_id,
+            kv_budget_bytes=kv_budget_bytes(settings),
+            decode=s.decode,
+            attention=resolve_precision(s.attention),
+            gemm=resolve_precision(s.gemm),
+        )
+        engine.prefill_attention  # noqa: B018 - chosen (measured) now
+    engine.turns = turns
     # Prefill and decode workers embed a store node whose DRAM segment they hold too.
     spec = engine.spec
     inbox = inbox_bytes_bound(settings, spec.hidden, spec.vocab_size)
@@ -69,18 +81,20 @@ def build_engine(settings: Settings) -> Engine:
     log.info("engine: weights as %s, %s decode steps, %s prefill attention, %s prefill "
              "GEMMs, %d threads%s", kept, engine.decode_path, engine.prefill_attention,
              engine.prefill_gemm, torch.get_num_threads(), where)  # fmt: skip
-    if s.attention == "bfloat16" and engine.prefill_attention != "native bfloat16":
+    if s.attention == "bfloat16" and not engine.prefill_attention.endswith("bfloat16"):
         native_kernel = engine.prefill_attention != "torch"
-        speed = (
-            paged.bf16_attention_speedup(spec.head_dim, engine.pool.page_tokens)
+        dim, page = spec.head_dim, engine.pool.page_tokens
+        speeds = (
+            [paged.bf16_attention_speedup(dim, page), paged.torch_bf16_attention_speedup(dim, page)]
             if native_kernel
-            else None
+            else []
         )
+        speed = max((x for x in speeds if x is not None), default=None)
         log.warning("engine.attention = bfloat16, but %s: float32",
-                    "this machine has no bfloat16 prefill kernel for this model (AVX512_BF16, "
-                    "a head of a multiple of 32 floats, a CPU)" if speed is None else
-                    f"its bfloat16 prefill attention ran {speed:.2f}x as fast as float32's "
-                    f"here (measured at start; it must be {FASTER}x)")  # fmt: skip
+                    "this machine has no bfloat16 prefill attention for this model (AVX512_BF16 "
+                    "or AMX, a head of a multiple of 32 floats, a CPU)" if speed is None else
+                    f"its bfloat16 prefill attention ran at best {speed:.2f}x as fast as "
+                    f"float32's here (measured at start; it must be {FASTER}x)")  # fmt: skip
     if s.gemm == "bfloat16" and engine.prefill_gemm != "bfloat16":
         applies = engine.device.type == "cpu" and bool(model.quantized())
         speed = gemm.bf16_gemm_speedup() if applies else None
@@ -158,7 +172,12 @@ async def calibrate_engine(engine: Engine, settings: Settings, role: str) -> lis
     if not settings.engine.calibrate:
         return []
     t0 = time.perf_counter()
-    rows = await asyncio.to_thread(calibrate, engine, role)
+
+    def alone() -> list[tuple[int, int, float]]:  # the host's other engines wait meanwhile
+        with engine.turns.turn():
+            return calibrate(engine, role)
+
+    rows = await asyncio.to_thread(alone)
     timed = [EngineTiming(x=x, z=z, seconds=s) for x, z, s in rows]
     shown = ", ".join(f"{t.x}/{t.z}: {t.seconds * 1e3:.1f} ms" for t in timed)
     log.info("engine timed for the Conductor in %.1f s (%s)", time.perf_counter() - t0, shown)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.config import SLO, EngineSettings, Settings
+from mooncake.cpus import available
 from mooncake.services import ManagedProcess
 from mooncake.stack import LAYOUT, Stack, WorkerProcess
 
@@ -32,8 +33,8 @@ def sleepers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_default_layout_is_ups_and_engine_workers_follow_the_layout(tmp_path: Path) -> None:
     up = Stack(Settings(data_dir=tmp_path))
-    assert up.layout == LAYOUT and up.engine_workers == 4
-    assert up.child_env()["MOONCAKE_ENGINE_WORKERS_PER_HOST"] == "4"
+    assert up.layout == LAYOUT and up.engine_workers == 2
+    assert up.child_env()["MOONCAKE_ENGINE_WORKERS_PER_HOST"] == "2"
     small = Stack(Settings(data_dir=tmp_path), layout=SMALL)
     assert small.engine_workers == 3
     assert small.child_env()["MOONCAKE_ENGINE_WORKERS_PER_HOST"] == "3"
@@ -57,7 +58,7 @@ def test_settings_built_in_code_reach_the_workers_and_the_shell_only_when_inheri
     # The dummy model's shape is the settings' (the workers must run the model the caller
     # built), never the shell's, inherited or not.
     assert env["MOONCAKE_ENGINE__DUMMY__HIDDEN"] == "64" and env["PATH"]
-    assert env["MOONCAKE_ENGINE__THREADS"] == "1"
+    assert env["MOONCAKE_ENGINE__THREADS"] == str(len(available()))
     inherited = Stack(settings).child_env()
     assert inherited["MOONCAKE_ENGINE__DUMMY__HIDDEN"] == "64"
     monkeypatch.setenv("MOONCAKE_SOMETHING_ELSE", "x")  # the rest of the shell is inherited
