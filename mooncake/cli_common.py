@@ -48,7 +48,7 @@ def precision(value: str, option: str) -> Literal["float32", "bfloat16"]:
 
 KV_CACHE_HELP = (
     "Bytes of each prefill/decode worker's KV pool, e.g. 1.5GiB (MOONCAKE_KV_CACHE_BYTES); "
-    "default: a quarter of this machine's memory over its engine workers"
+    "default: an eighth of this machine's memory over its engine workers"
 )
 
 

@@ -182,6 +182,9 @@ class EngineSettings(BaseModel):
     # a decode step waits, each on every CPU while it holds the turn. `mooncake up` sets it
     # (<data_dir>/cores); None: this worker computes whenever it has work.
     turns_dir: Path | None = None
+    # Map the KV pool's every page at start rather than at a prefill's first touch of it
+    # (`KVPool.prefault`): resident at its budget from the start. `mooncake up` sets it.
+    prefault_kv: bool = False
     turn_quantum_s: Annotated[float, Field(gt=0, le=10)] = 0.05
     # Decode: sequences one instance's running batch may hold (its KV is bounded by the KV
     # pool, `Settings.kv_cache_bytes`).

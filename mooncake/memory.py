@@ -2,12 +2,16 @@
 that gives freed memory back.
 
 KV budget. Every engine worker (prefill, decode) allocates one KV pool from its budget
-(`Settings.kv_cache_bytes`, `MOONCAKE_KV_CACHE_BYTES`, `--kv-cache-bytes`). Unset, it is a
-quarter of the machine's memory split over the engine workers that run on it (`mooncake up`
-passes its own count; a worker started alone assumes it is the only one). A quarter, because
-each engine worker also holds its model's weights (twice on the CPU: the oneDNN-packed copy
-the GEMMs read), its store node's DRAM segment and the runtime, and the machine has other
-processes; clamped to [512 MiB, 64 GiB].
+(`Settings.kv_cache_bytes`, `MOONCAKE_KV_CACHE_BYTES`, `--kv-cache-bytes`). Unset, it is an
+eighth of the machine's memory split over the engine workers that run on it (`mooncake up`
+passes its own count; a worker started alone assumes it is the only one), clamped to
+[512 MiB, 64 GiB]. Each engine worker also holds its model's weights (twice on the CPU: the
+oneDNN-packed copy the GEMMs read), its store node's DRAM segment and the runtime, and the
+machine has other processes. Under `up` the pools are mapped at start (`KVPool.prefault`),
+so the budget is what each worker holds from the start: an eighth, 1.5 GiB for each of
+`up`'s two engine workers on 24 GiB (a SmolLM2 pool of 34k tokens: eleven 3,000-token
+contexts; the store pools more). It was a quarter over four workers, each touched only as
+it filled (issue 42).
 
 Stated bound. A worker logs at start what it may come to hold: weights + KV budget + its store
 node's DRAM segment + a fixed allowance for everything else (the runtime, transients).
@@ -40,7 +44,7 @@ import psutil
 log = logging.getLogger("mooncake.memory")
 
 MIB, GIB = 1 << 20, 1 << 30
-KV_SHARE_OF_MEMORY = 0.25
+KV_SHARE_OF_MEMORY = 0.125
 MIN_DEFAULT_KV = 512 * MIB
 MAX_DEFAULT_KV = 64 * GIB
 # Beyond weights, KV and the store segment: torch's runtime (~280 MiB resident here, ~210 of
@@ -62,15 +66,15 @@ def default_kv_cache_bytes(total_memory: int, engine_workers: int) -> int:
     return max(MIN_DEFAULT_KV, min(share, MAX_DEFAULT_KV))
 
 
-STORE_SHARE_OF_MEMORY = 1 / 16
+STORE_SHARE_OF_MEMORY = 1 / 32
 MIN_DEFAULT_STORE = 256 * MIB
 
 
 def default_store_bytes(total_memory: int, engine_workers: int) -> int:
     """The DRAM segment each engine worker's store node pools under `mooncake up` when none
-    is configured: a sixteenth of the machine over the engine workers (at least 256 MiB), so
+    is configured: a 32nd of the machine over the engine workers (at least 256 MiB), so
     a segment holds a whole long prompt (an 8k-token SmolLM2 prompt's KV is 352 MiB; on 24
-    GiB with 4 engine workers a segment is 376 MiB). It is pre-touched at start: idle, a
+    GiB with `up`'s 2 engine workers a segment is 384 MiB). It is pre-touched at start: idle, a
     SmolLM2 worker holds its weights, the runtime and this (~1.3 GiB here)."""
     share = int(total_memory * STORE_SHARE_OF_MEMORY) // max(engine_workers, 1)
     return max(MIN_DEFAULT_STORE, min(share, MAX_DEFAULT_KV))

@@ -191,6 +191,9 @@ class Stack:
         # ... by turns (engine/turns.py): running at once, their threads would wait on each
         # other's at every OpenMP barrier.
         env.setdefault("MOONCAKE_ENGINE__TURNS_DIR", str(self.settings.data_dir / "cores"))
+        # The KV pools are mapped at start: a prefill does not pay the first touch of its
+        # pages, and each worker holds its budget from the start (mooncake/memory.py).
+        env.setdefault("MOONCAKE_ENGINE__PREFAULT_KV", "true")
         # ... and its memory: each engine worker's KV pool is one share of it (or the budget
         # given to `up`, which then overrides the environment's).
         env["MOONCAKE_ENGINE_WORKERS_PER_HOST"] = str(self.engine_workers)

@@ -140,6 +140,18 @@ class KVPool:
         self._k_all = self.data[:, 0].view(s.layers, pages, s.kv_heads, s.head_dim, s.page_tokens)
         self._v_all = self.data[:, 1].view(s.layers, pages, s.kv_heads, s.page_tokens, s.head_dim)
 
+    def prefault(self) -> None:
+        """Map every page now (write its zeros): a prefill that takes pages never touched
+        pays their first-touch faults inside its own time, ~0.4 s of a 2 s, 3,000-token
+        SmolLM2 prefill on a 2-vCPU Xeon while the pool is still filling (issue 42). The
+        pool is then resident at its budget from the start, as the worker states."""
+        if self.device.type != "cpu":
+            return
+        flat = self.data.view(-1)
+        step = 1 << 24  # elements a write (64 MiB of float32)
+        for start in range(0, flat.numel(), step):
+            flat[start : start + step].zero_()
+
     @property
     def capacity_tokens(self) -> int:
         return self.pages.total * self.page_tokens

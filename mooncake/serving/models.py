@@ -72,6 +72,10 @@ def build_engine(settings: Settings, role: Side | None = None) -> Engine:
         )
         engine.prefill_attention  # noqa: B018 - chosen (measured) now
     engine.turns = turns
+    if s.prefault_kv:
+        t0 = time.perf_counter()
+        engine.pool.prefault()
+        log.info("engine: KV pool mapped in %.1f s", time.perf_counter() - t0)
     # Prefill and decode workers embed a store node whose DRAM segment they hold too.
     spec = engine.spec
     inbox = inbox_bytes_bound(settings, spec.hidden, spec.vocab_size)
