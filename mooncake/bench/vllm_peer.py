@@ -278,7 +278,7 @@ class VllmServer:
 
     def command(self) -> list[str]:
         return [
-            str(self.python),
+            str(self.python.absolute()),  # it starts in log_dir: a relative path would miss
             "-m",
             "vllm.entrypoints.openai.api_server",
             *("--model", str(self.model_dir.absolute())),
