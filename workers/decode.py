@@ -35,7 +35,7 @@ from mooncake.bus import terminal
 from mooncake.bus.consume import ConsumerSpec, DeadLetter, Delivery, PullConsumer
 from mooncake.bus.heartbeat import Heartbeats
 from mooncake.config import Settings
-from mooncake.engine import DecodeBatch, Engine
+from mooncake.engine import DecodeBatch, Engine, compute
 from mooncake.serving.decode_ends import DecodeEnds
 from mooncake.serving.decode_jobs import Job, Jobs
 from mooncake.serving.decode_loop import DecodeLoop
@@ -287,8 +287,8 @@ class DecodeWorker:
 
 async def run(ctx: WorkerContext, engine: Engine | None = None) -> None:
     if engine is None:
-        engine = await asyncio.to_thread(build_engine, ctx.settings, ROLE)
-    await asyncio.to_thread(warm_decode, engine, ctx.settings.engine.max_batch)
+        engine = await compute.run(build_engine, ctx.settings, ROLE)
+    await compute.run(warm_decode, engine, ctx.settings.engine.max_batch)
     bucket = await terminal.open_bucket(ctx.js, ctx.ns, ctx.settings.bus.replicas)
     async with local_store(ctx.nc, ctx.settings, node_id=ctx.instance_id) as store:
         await DecodeWorker(ctx, engine, store, bucket).run()

@@ -57,7 +57,7 @@ from mooncake.bus.consume import (
 from mooncake.bus.heartbeat import keep_alive
 from mooncake.bus.publish import MSG_ID
 from mooncake.config import Settings
-from mooncake.engine import Engine, EngineError
+from mooncake.engine import Engine, EngineError, compute
 from mooncake.engine.batch import is_stop_token
 from mooncake.engine.sampling import make_generator, sample
 from mooncake.serving.cpp_group import CppGroups, GroupFailed
@@ -545,7 +545,7 @@ async def serve(ctx: WorkerContext, engine: Engine) -> None:
 
 
 async def main(settings: Settings, instance_id: str | None = None) -> None:
-    engine = build_engine(settings, ROLE)
+    engine = compute.call(build_engine, settings, ROLE)  # on the thread its prefills run on
     async with worker_context(settings, ROLE, instance_id) as ctx:
         await serve(ctx, engine)
 

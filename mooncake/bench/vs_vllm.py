@@ -362,6 +362,8 @@ async def run_vllm(
     log("vs-vllm: starting vLLM's server")
     with server:
         server.wait_ready(opts.start_timeout_s)
+        if server.pid is None:
+            raise RuntimeError(f"vLLM's server exited: {server.log_tail()}")
         return await measure_server(
             "vllm",
             server.url,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from mooncake.engine import compute
 from mooncake.engine.engine import Engine
 from mooncake.engine.kv import BlockLayout
 from mooncake.engine.pool import PagedKV
@@ -111,7 +112,7 @@ async def run_stage(
                 "cpp chunk", attributes={"mc.cpp.chunk": k, "mc.cpp.start": a, "mc.cpp.end": b,
                                          "mc.cpp.layers": f"{layers[0]}-{layers[1]}"},
             ):  # fmt: skip
-                out = await asyncio.to_thread(run_chunk, engine, kv, layers, a, chunk, logits=final)
+                out = await compute.run(run_chunk, engine, kv, layers, a, chunk, logits=final)
             if busy is not None:
                 busy.append(time.perf_counter() - t0)
             if outbox is not None:

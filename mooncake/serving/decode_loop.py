@@ -33,7 +33,7 @@ from mooncake import events as ev
 from mooncake import metrics
 from mooncake.bus.publish import Publisher
 from mooncake.core import kv_admission as ka
-from mooncake.engine import Completion, DecodeBatch, Engine
+from mooncake.engine import Completion, DecodeBatch, Engine, compute
 from mooncake.serving import decode_kv
 from mooncake.serving.decode_ends import DecodeEnds
 from mooncake.serving.decode_jobs import Job, Jobs
@@ -162,7 +162,7 @@ class DecodeLoop:
             time.monotonic(), len(self.batch), sum(seq.kv.length for seq in running)
         )
         try:
-            finished = await asyncio.to_thread(self.batch.step)
+            finished = await compute.run(self.batch.step)
         except Exception as exc:
             self._step_failed(exc)
             return
@@ -222,13 +222,13 @@ class DecodeLoop:
     async def _join(self, job: Job) -> None:
         p, w = job.prompt, job.work
         assert p is not None
-        computed = await asyncio.to_thread(decode_kv.compute, self.engine, w, p, job.output)
+        computed = await compute.run(decode_kv.compute, self.engine, w, p, job.output)
         if p.missing is not None:
             self._count_recompute(job, p.missing)
         job.prompt, params = None, engine_params(w.params)
         if job.preempted_at is None:
             args = (w.request_id, p.kv, list(w.token_ids), w.first_token_id, params)
-            done = await asyncio.to_thread(self.batch.resume, *args)
+            done = await compute.run(self.batch.resume, *args)
         else:
             self.batch.rejoin(w.request_id, p.kv, len(w.token_ids), job.output, params)
             await self._resumed(job, p.loaded_tokens, computed)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -12,7 +11,7 @@ from mooncake import events as ev
 from mooncake import memory
 from mooncake.config import Settings, resolve_precision
 from mooncake.cpus import format_cpus, parse_cpus, pin_process
-from mooncake.engine import Engine, dummy_model, gemm, paged
+from mooncake.engine import Engine, compute, dummy_model, gemm, paged
 from mooncake.engine import SamplingParams as EngineSampling
 from mooncake.engine.errors import EngineError
 from mooncake.engine.profile import calibrate
@@ -181,7 +180,7 @@ async def calibrate_engine(engine: Engine, settings: Settings, role: str) -> lis
         with engine.turns.turn():
             return calibrate(engine, role)
 
-    rows = await asyncio.to_thread(alone)
+    rows = await compute.run(alone)
     timed = [EngineTiming(x=x, z=z, seconds=s) for x, z, s in rows]
     shown = ", ".join(f"{t.x}/{t.z}: {t.seconds * 1e3:.1f} ms" for t in timed)
     log.info("engine timed for the Conductor in %.1f s (%s)", time.perf_counter() - t0, shown)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from mooncake.engine import Engine, KVPoolExhausted, PagedKV, Prefilled
+from mooncake.engine import Engine, KVPoolExhausted, PagedKV, Prefilled, compute
 from mooncake.hashing import DEFAULT_CACHE_NAMESPACE
 from mooncake.serving.kvstore import (
     COMPUTED,
@@ -245,7 +245,7 @@ async def _compute_and_store(
     if loader is not None:
         tasks.append(asyncio.create_task(loader.run()))
     try:
-        prefilled = await asyncio.to_thread(engine.prefill, tokens, kv, hooks)
+        prefilled = await compute.run(engine.prefill, tokens, kv, hooks)
         writer.close()
         await tasks[0]
         results = await put.commit()
