@@ -185,14 +185,21 @@ class Stack:
                 env[f"MOONCAKE_ENGINE__DUMMY__{name.upper()}"] = str(value)
         env["MOONCAKE_SLO__TTFT_S"] = str(self.settings.slo.ttft_s)
         env["MOONCAKE_SLO__TBT_S"] = str(self.settings.slo.tbt_s)
-        # The engine processes share this machine's cores: each runs a torch thread per CPU
-        # (unless configured otherwise), so whichever is busy uses them all.
-        env.setdefault("MOONCAKE_ENGINE__THREADS", str(len(available())))
-        # ... by turns (engine/turns.py): running at once, their threads would wait on each
-        # other's at every OpenMP barrier.
-        env.setdefault("MOONCAKE_ENGINE__TURNS_DIR", str(self.settings.data_dir / "cores"))
+        engine = self.settings.engine
+        if engine.threads is not None:  # configured in the settings (a bench's)
+            env["MOONCAKE_ENGINE__THREADS"] = str(engine.threads)
+        elif "MOONCAKE_ENGINE__THREADS" not in env:
+            # The engine processes share this machine's cores: each runs a torch thread per
+            # CPU, so whichever is busy uses them all, by turns (engine/turns.py): running at
+            # once, their threads would wait on each other's at every OpenMP barrier.
+            env["MOONCAKE_ENGINE__THREADS"] = str(len(available()))
+            env.setdefault("MOONCAKE_ENGINE__TURNS_DIR", str(self.settings.data_dir / "cores"))
+        if engine.turns_dir is not None:
+            env["MOONCAKE_ENGINE__TURNS_DIR"] = str(engine.turns_dir)
         # The KV pools are mapped at start: a prefill does not pay the first touch of its
         # pages, and each worker holds its budget from the start (mooncake/memory.py).
+        if "prefault_kv" in engine.model_fields_set:
+            env["MOONCAKE_ENGINE__PREFAULT_KV"] = str(engine.prefault_kv).lower()
         env.setdefault("MOONCAKE_ENGINE__PREFAULT_KV", "true")
         # ... and its memory: each engine worker's KV pool is one share of it (or the budget
         # given to `up`, which then overrides the environment's).

@@ -76,7 +76,11 @@ async def run_live_cpp_bench(
         raise ValueError("a prompt of one chunk is never grouped: make it longer")
     prompt = bench_prompt(opts.prompt_tokens, spec.vocab_size)
     tmp, private = private_settings(settings, "cpp-live")
-    private = private.model_copy(update={"admission_policy": "none", "log_level": "WARNING"})
+    # One-thread stages, as `bench cpp` measures them: a group of two splits the cores.
+    one_thread = private.engine.model_copy(update={"threads": 1})
+    private = private.model_copy(
+        update={"admission_policy": "none", "log_level": "WARNING", "engine": one_thread}
+    )
     stack = Stack(private, layout=LAYOUT, inherit_env=False)
     stack.role_env = {"prefill": cpp_env(opts, 2), "conductor": cpp_env(opts, 1)}
     started = time.monotonic()

@@ -142,7 +142,9 @@ def stack_settings(target: Target, opts: OverloadOptions) -> Settings:
         admission_policy="none",
         slo=SLO(ttft_s=opts.ttft_slo_s, tbt_s=opts.tbt_slo_s),
         store=StoreSettings(dram_bytes=64 << 20),
-        engine=EngineSettings(model="dummy", threads=1),
+        # One thread each, no turns: each worker a core of its own. The pools are touched
+        # only as they fill: the RSS budgets below are measured plateaus of that.
+        engine=EngineSettings(model="dummy", threads=1, prefault_kv=False),
         # Given, so not read from the caller's environment: the stack passes these two on
         # to the workers, and the caller's shell must not reach them (`overload_stack`).
         kv_cache_bytes=None,
@@ -475,7 +477,9 @@ def decode_rows(opts: OverloadOptions) -> list[dict[str, Any]]:
         engine = build_engine(
             Settings(
                 block_tokens=opts.tokens_per_block,
-                engine=EngineSettings(model="dummy", threads=1),
+                # One thread each, no turns: each worker a core of its own. The pools are touched
+                # only as they fill: the RSS budgets below are measured plateaus of that.
+                engine=EngineSettings(model="dummy", threads=1, prefault_kv=False),
             )
         )
         return profile_decode(engine, (1, 4, 16, 32), (64, 512, 2048), 3, lambda _: None)

@@ -21,6 +21,7 @@ import pytest
 from mooncake.bench.memory import MemoryOptions, run_memory_bench
 from mooncake.config import load_settings
 from mooncake.replay_live import LiveReplayOptions, fitted_trace, max_tokens
+from mooncake.stack import ENGINE_ROLES, LAYOUT
 from mooncake.trace_fit import prompt_tokens
 
 pytestmark = pytest.mark.e2e
@@ -88,7 +89,8 @@ async def test_every_role_stays_within_its_bound_when_the_kv_working_set_exceeds
     # store segments (shm copies map them): reported, not held to issue 15's formula here.
     assert result["within_stated_bounds_pss"], result["roles"]
     engine_roles = [r for r in result["roles"].values() if r["bound_mb"] is not None]
-    assert len(engine_roles) == 4 and all(r["peak_rss_mb"] > 0 for r in engine_roles)
+    engines = sum(n for role, n in LAYOUT if role in ENGINE_ROLES)  # `up`'s layout
+    assert len(engine_roles) == engines and all(r["peak_rss_mb"] > 0 for r in engine_roles)
     # Preemption instead of OOM: a decode worker takes sequences out of its batch when its
     # pool runs out of pages, and every one of them still completed (above).
     assert result["preemptions"] > 0 and result["rejected"] == 0

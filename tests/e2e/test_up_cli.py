@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.services import free_port, tcp_reachable
+from mooncake.stack import LAYOUT
 
 pytestmark = pytest.mark.e2e
 
@@ -88,7 +89,8 @@ def test_up_submit_and_clean_shutdown(tmp_path: Path) -> None:
     # Not a terminal: the status table was printed at start (and again at the stop), with
     # every worker's metrics endpoint, and no address cut short.
     assert text.count("component") == 2, text
-    assert text.count("metrics http://127.0.0.1:") >= 2 * 7, text
+    workers = sum(n for _, n in LAYOUT)
+    assert text.count("metrics http://127.0.0.1:") >= 2 * workers, text
     assert "…" not in text, text
     assert not runtime.exists(), "runtime.env must go when the system stops"
     nats_port = int(urls["MOONCAKE_NATS_URL"].rsplit(":", 1)[1])
