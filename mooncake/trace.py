@@ -20,6 +20,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 TRACE_BLOCK_TOKENS = 512
+# The first 200 requests of the conversation trace, shipped in the package (data/README.md).
+SHIPPED_CONVERSATION = Path(__file__).parent / "data" / "conversation_head.jsonl"
 
 
 class TraceError(ValueError):

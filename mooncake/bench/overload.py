@@ -68,11 +68,17 @@ from mooncake.config import SLO, ConductorSettings, EngineSettings, Settings, St
 from mooncake.core.quantile import quantile
 from mooncake.services import EmbeddedNats, EmbeddedPostgres, ManagedProcess
 from mooncake.stack import Stack
-from mooncake.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
+from mooncake.trace import (
+    SHIPPED_CONVERSATION,
+    TRACE_BLOCK_TOKENS,
+    TraceRequest,
+    load_trace,
+    request_tokens,
+)
 from mooncake.work import LoadReport, WorkSubjects
 
 Log = Callable[[str], None]
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "conversation_head.jsonl"
+DEFAULT_TRACE = SHIPPED_CONVERSATION
 PROFILE_MODEL = "dummy, stack-calibrated"
 
 

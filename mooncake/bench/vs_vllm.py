@@ -49,11 +49,11 @@ from mooncake.bench.vs_vllm_figures import (
     summary,
 )
 from mooncake.services import free_port
-from mooncake.trace import TraceRequest, block_tokens, load_trace
+from mooncake.trace import SHIPPED_CONVERSATION, TraceRequest, block_tokens, load_trace
 
 Log = Callable[[str], None]
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "conversation_head.jsonl"
+DEFAULT_TRACE = SHIPPED_CONVERSATION
 DEFAULT_VLLM_PYTHON = Path(".venv-anchors/bin/python")
 LONE_PROMPT, LONE_OUTPUT = 512, 128
 LONE_HASH_ID = 1 << 40  # beyond any trace's ids

@@ -65,15 +65,24 @@ def bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | None:
     bf = native.load_prefill(head_dim, page_tokens, bf16=True)
     if f32 is None or bf is None or not bf.bf16:
         return None
-    kv_heads, group, start, new = 3, 3, 1792, 256
+    start = 1792
+    q, k, v, table, scale = _probe_inputs(head_dim, page_tokens, start, 256)
+    return speedup(lambda: bf(q, k, v, table, start, scale),
+                   lambda: f32(q, k, v, table, start, scale))  # fmt: skip
+
+
+def _probe_inputs(
+    head_dim: int, page_tokens: int, start: int, new: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """A prefill kernel's arguments for the probes: `new` rows of 3 KV heads of 3 query
+    heads each after `start` cached keys in pages (q, k pages, v pages, table, scale)."""
+    kv_heads, group = 3, 3
     pages = pages_for(start + new, page_tokens)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(pages, kv_heads, head_dim, page_tokens, generator=g)
     v = torch.randn(pages, kv_heads, page_tokens, head_dim, generator=g)
     q = torch.randn(new, kv_heads * group, head_dim, generator=g)
-    table, scale = torch.arange(pages, dtype=torch.int32), head_dim**-0.5
-    return speedup(lambda: bf(q, k, v, table, start, scale),
-                   lambda: f32(q, k, v, table, start, scale))  # fmt: skip
+    return q, k, v, torch.arange(pages, dtype=torch.int32), head_dim**-0.5
 
 
 @functools.cache
@@ -91,13 +100,8 @@ def torch_bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | Non
     f32 = native.load_prefill(head_dim, page_tokens)
     if f32 is None or not bf16_instructions():
         return None
-    kv_heads, group, start, new = 3, 3, 1024, 1024
-    pages = pages_for(start + new, page_tokens)
-    g = torch.Generator().manual_seed(0)
-    k = torch.randn(pages, kv_heads, head_dim, page_tokens, generator=g)
-    v = torch.randn(pages, kv_heads, page_tokens, head_dim, generator=g)
-    q = torch.randn(new, kv_heads * group, head_dim, generator=g)
-    table, scale = torch.arange(pages, dtype=torch.int32), head_dim**-0.5
+    start, new, kv_heads = 1024, 1024, 3
+    q, k, v, table, scale = _probe_inputs(head_dim, page_tokens, start, new)
     # The torch path's inputs as PagedPrefill has them: [1, heads, T, D] float32.
     keys = k.permute(1, 0, 3, 2).reshape(1, kv_heads, -1, head_dim)[:, :, : start + new]
     values = v.transpose(0, 1).reshape(1, kv_heads, -1, head_dim)[:, :, : start + new]
