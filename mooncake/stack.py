@@ -194,6 +194,9 @@ class Stack:
             # once, their threads would wait on each other's at every OpenMP barrier.
             env["MOONCAKE_ENGINE__THREADS"] = str(len(available()))
             env.setdefault("MOONCAKE_ENGINE__TURNS_DIR", str(self.settings.data_dir / "cores"))
+        for name in ("gemm", "attention"):  # a precision the settings name (a bench's)
+            if name in engine.model_fields_set:
+                env[f"MOONCAKE_ENGINE__{name.upper()}"] = getattr(engine, name)
         if engine.turns_dir is not None:
             env["MOONCAKE_ENGINE__TURNS_DIR"] = str(engine.turns_dir)
         # The KV pools are mapped at start: a prefill does not pay the first touch of its

@@ -16,7 +16,11 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_pipeline_of_stage_processes_computes_one_workers_logits(transport: str) -> None:
     dummy = DummyModel(layers=4, context=1024)
-    settings = Settings(engine=EngineSettings(model="dummy", dummy=dummy), block_tokens=64)
+    # float32 in every process: under `auto` each process measures for itself whether
+    # bfloat16 pays, and stages that chose otherwise than the single worker differ by
+    # bfloat16's rounding, not by the pipeline.
+    engine = EngineSettings(model="dummy", dummy=dummy, gemm="float32", attention="float32")
+    settings = Settings(engine=engine, block_tokens=64)
     opts = CppBenchOptions(
         prompt_tokens=640, chunk_tokens=128, threads=1, stages=(2, 4), transport=transport,
         reps=2,
@@ -54,7 +58,9 @@ def test_the_live_bench_groups_the_second_ask_and_gets_the_same_answer() -> None
     from mooncake.bench.cpp_live import LiveCppOptions, run_live_cpp_bench
 
     dummy = DummyModel(hidden=512, layers=4, heads=8, kv_heads=4, ffn=2048, context=4096)
-    settings = Settings(engine=EngineSettings(model="dummy", dummy=dummy), block_tokens=64)
+    # float32: the same answer must not hang on two processes' own bfloat16 measurements.
+    engine = EngineSettings(model="dummy", dummy=dummy, gemm="float32", attention="float32")
+    settings = Settings(engine=engine, block_tokens=64)
     # Groups wherever they pay at all: this model's chunks are milliseconds, the costs the
     # Conductor fits from them carry its per-call overheads.
     opts = LiveCppOptions(prompt_tokens=2048, chunk_tokens=256, min_efficiency=0.3, min_gain=1.0)
