@@ -53,6 +53,9 @@ RECORDED_STREAMS = ("MC_REQ", "MC_META")
 WORKER_ENV = {
     "MOONCAKE_ENGINE__MODEL": "dummy",
     "MOONCAKE_ENGINE__THREADS": "1",
+    # KV pools touched as they fill, as when RELIABILITY.md's recovery times were measured
+    # (`up` maps them at start: a restarted worker would zero its whole pool first).
+    "MOONCAKE_ENGINE__PREFAULT_KV": "false",
     "MOONCAKE_STORE__DRAM_BYTES": str(64 << 20),
     "MOONCAKE_STORE__HEARTBEAT_S": "0.2",
     "MOONCAKE_STORE__NODE_TIMEOUT_S": "2",
