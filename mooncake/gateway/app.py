@@ -316,6 +316,7 @@ class Call:
         if not (self.unsent or o.rejected_reason is not None or o.finish_reason or self.ended):
             # Over without an end: the timeout; not over: nobody listens any more.
             reason = "timeout" if self.over else "client_disconnected"
+            log.info("%s: %s before its end; cancelling it", self.request_id, reason)
             await self.gateway.cancel(self.request_id, reason)
         self.span.end()
 
