@@ -271,8 +271,10 @@ async def test_client_going_away_before_a_whole_answer_cancels_the_request(
             at, event = await asyncio.wait_for(cancelled.get(), 30)
         except TimeoutError:
             log = system.workers["gateway-0"].log()[-3000:]
-            pytest.fail(f"no cancellation within 30 s; the request's events: {seen}; "
-                        f"the gateway's log:\n{log}")
+            pytest.fail(
+                f"no cancellation within 30 s; the request's events: {seen}; "
+                f"the gateway's log:\n{log}"
+            )
         assert event["reason"] == "client_disconnected", event
         print(f"cancelled {at - gone_at:.3f} s after the client hung up")
     finally:
