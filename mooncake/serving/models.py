@@ -56,7 +56,8 @@ def build_engine(settings: Settings, role: Side | None = None) -> Engine:
         log.info("engine: takes turns at this host's CPUs (%s, %s side, quantum %.0f ms)",
                  s.turns_dir, role, s.turn_quantum_s * 1e3)  # fmt: skip
     # The bfloat16 probes time kernels against each other: inside a turn, so that another
-    # engine of this host starting at the same time does not decide for them.
+    # engine of this host starting at the same time does not decide for them (its probes,
+    # its KV pool's first touch).
     with turns.turn():
         engine = Engine(
             model,
@@ -70,11 +71,11 @@ def build_engine(settings: Settings, role: Side | None = None) -> Engine:
             gemm=resolve_precision(s.gemm),
         )
         engine.prefill_attention  # noqa: B018 - chosen (measured) now
+        if s.prefault_kv:  # in the turn too: it takes a CPU the other side's probes time on
+            t0 = time.perf_counter()
+            engine.pool.prefault()
+            log.info("engine: KV pool mapped in %.1f s", time.perf_counter() - t0)
     engine.turns = turns
-    if s.prefault_kv:
-        t0 = time.perf_counter()
-        engine.pool.prefault()
-        log.info("engine: KV pool mapped in %.1f s", time.perf_counter() - t0)
     # Prefill and decode workers embed a store node whose DRAM segment they hold too.
     spec = engine.spec
     inbox = inbox_bytes_bound(settings, spec.hidden, spec.vocab_size)

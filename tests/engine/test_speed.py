@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mooncake.engine import KVPool, ModelSpec, gemm, native, paged
-from mooncake.engine.speed import FASTER, paired, speedup
+from mooncake.engine.speed import FASTER, best_ratio, paired, speedup
 
 
 def test_paired_gives_medians_and_the_median_of_the_pairs_ratios() -> None:
@@ -19,6 +19,14 @@ def test_paired_gives_medians_and_the_median_of_the_pairs_ratios() -> None:
     a, b, ratio = paired(ours, theirs, 3)
     assert (a, b) == (3.0, 4.0)
     assert ratio == 2.0  # the ratios 2, 2/3, 3
+
+
+def test_best_ratio_compares_the_least_disturbed_calls_of_each_way() -> None:
+    # The first call of each is the warm-up; then ours is disturbed in two of three calls and
+    # theirs in one (the median of the pairs' ratios, 0.4 / 90 / 0.4, would say 0.4x).
+    ours = iter([50.0, 10.0, 1.0, 10.0]).__next__
+    theirs = iter([60.0, 4.0, 90.0, 4.0]).__next__
+    assert best_ratio(ours, theirs, 3) == 4.0
 
 
 def test_speedup_tells_the_faster_of_two_ways() -> None:
