@@ -229,7 +229,7 @@ class Inflight:
     decode_started_at: float | None = None
     cached_tokens: int = 0
     admitted_at: float = 0.0
-    predicted_ttft_s: float = 0.0  # at admission (the error sample's denominator)
+    predicted_ttft_s: float = 0.0  # at admission, moved by refits (the error's denominator)
     sampled: bool = True
     stage_instances: tuple[str, ...] = ()  # CPP: the group's other prefill instances
     tenant: str = DEFAULT_TENANT
@@ -445,15 +445,19 @@ class ClusterView:
         self._end_prefill(r)
         r.phase, r.prefill_done_at = "prefilled", now
         if r.sampled:
-            self.ttft_errors.add(now - r.admitted_at, r.predicted_ttft_s)
+            self.ttft_errors.add(now - r.admitted_at, r.predicted_ttft_s, r.context_tokens,
+                                 r.cached_tokens, r.predicted_prefill_s)  # fmt: skip
 
     def reestimate(self, prefill_s: Callable[[int, int], float], now: float) -> None:
         """The cost model changed: predict every queued and running prefill again with
         `prefill_s(prompt, cached)`, so the queue a new request waits behind is the new
         model's, not the sum of whatever each queued request was admitted with. A queued
         request's predicted prefill end moves by the change of everything ahead of it on
-        its instance and of its own prefill (the queue is FCFS). A group's (CPP) pipelined
-        prefill keeps its prediction: `prefill_s` prices one instance's."""
+        its instance and of its own prefill (the queue is FCFS), and so does the TTFT it is
+        judged against when it ends (`ttft_errors`, whose samples are rescaled too). A
+        group's (CPP) pipelined prefill keeps its prediction: `prefill_s` prices one
+        instance's."""
+        self.ttft_errors.rescale(prefill_s)
         for p in self.prefill_order:
             shift = 0.0
             r = self.inflight.get(p.running) if p.running is not None else None
@@ -461,6 +465,7 @@ class ClusterView:
                 new = prefill_s(r.context_tokens, r.cached_tokens)
                 shift = new - r.predicted_prefill_s
                 r.predicted_prefill_s = new
+                r.predicted_ttft_s += shift
                 p.running_ends_at += shift
                 r.prefill_done_at = p.running_ends_at
             total = 0.0
@@ -472,6 +477,7 @@ class ClusterView:
                 new = prefill_s(q.context_tokens, q.cached_tokens)
                 shift += new - q.predicted_prefill_s
                 q.predicted_prefill_s = p.queued[rid] = new
+                q.predicted_ttft_s += shift
                 q.prefill_done_at = max(q.prefill_done_at + shift, now)
                 total += new
             p.queued_s = total

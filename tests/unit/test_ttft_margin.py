@@ -39,6 +39,19 @@ def test_the_margin_is_the_nearest_rank_quantile_once_there_are_enough() -> None
     assert e.margin(0.9) == MIN_MARGIN
 
 
+def test_a_refit_rescales_the_misses_by_each_requests_prefill_change() -> None:
+    e = TtftErrors(window=10, min_samples=2)
+    e.add(3.0, 2.0, 1000, 0, 1.0)  # missed by 1.5x; its own prefill predicted at 1 s
+    e.add(6.0, 4.0, 3000, 1000, 2.0)  # missed by 1.5x; 2 s of prefill
+    e.add(1.0, 1.0)  # no prefill given: kept as it is
+    assert e.margin(1.0) == pytest.approx(1.5)
+    # The new model: 1.5 ms per uncached token, 1.5x the old for both.
+    e.rescale(lambda prompt, cached: 0.0015 * (prompt - cached))
+    assert e.margin(1.0) == pytest.approx(1.0) and e.margin(0.5) == pytest.approx(1.0)
+    e.rescale(lambda prompt, cached: 0.0)  # a nonsense price changes nothing
+    assert e.margin(1.0) == pytest.approx(1.0)
+
+
 def _missed(v: cl.ClusterView, factor: float, n: int = MIN_SAMPLES) -> None:
     """`n` requests on p0 whose TTFT was `factor` x its 1 s prediction."""
     t = 1000.0
@@ -68,6 +81,16 @@ def test_every_rejecting_policy_judges_ttft_with_the_margin() -> None:
     # Without the margin (the setting off), the same request is admitted.
     off = dataclasses.replace(CFG, ttft_margin_quantile=None)
     assert all(decide(p, v, req, off, COSTS, 2000.0).admitted for p in POLICIES)
+
+
+def test_a_refit_to_the_slow_prefills_that_made_the_margin_takes_it_back() -> None:
+    v = view(1, 1)
+    _missed(v, 1.6)  # 100-token prefills predicted at 1 s took 1.6 s
+    req = ScheduleRequest("r", 3500, ())
+    assert not decide("early", v, req, CFG, COSTS, 2000.0).admitted  # 3.5 x 1.6 > 5 s
+    # The model refits to the same prefills (1.6 s for 100 tokens): the misses are gone.
+    v.reestimate(lambda prompt, cached: 0.016 * (prompt - cached), 2000.0)
+    assert v.ttft_errors.margin(CFG.ttft_margin_quantile or 0.9) == pytest.approx(1.0)
 
 
 def test_a_pessimistic_model_admits_past_its_prediction() -> None:
@@ -109,6 +132,12 @@ def test_a_refit_predicts_the_queue_again() -> None:
     assert v.inflight["a"].prefill_done_at == pytest.approx(1.6)
     assert v.inflight["b"].prefill_done_at == pytest.approx(2.8 + 0.8 + 2.0)
     assert v.inflight["c"].prefill_done_at == pytest.approx(3.3 + 0.8 + 2.0 + 0.5)
+    # And so does the TTFT each will be judged against when it ends (the margin's sample).
+    assert [v.inflight[r].predicted_ttft_s for r in "abc"] == [
+        pytest.approx(0.8 + 0.8),
+        pytest.approx(2.8 + 2.8),
+        pytest.approx(3.3 + 3.3),
+    ]
     # A request that finishes still takes its queued seconds, the new ones, with it.
     v.apply(cl.PrefillFinished("a"), 1.7)
     v.apply(cl.PrefillStarted("b"), 1.7)
