@@ -53,7 +53,7 @@ def test_blocks_hold_the_files_values_exactly(type_name: str) -> None:
 @settings(max_examples=40, deadline=None)
 @given(
     type_name=st.sampled_from(TYPES),
-    rows=st.integers(1, 40),  # every tile (8, 4, 2, 1 rows) and the sliced prefill path
+    rows=st.integers(1, 40),  # every tile (1..8 rows) and the sliced prefill path
     out_features=st.integers(1, 70),
     blocks=st.integers(1, 6),
     seed=st.integers(0, 2**16),
@@ -161,6 +161,35 @@ def test_every_build_dequantizes_to_the_same_values(flags: tuple[str, ...]) -> N
             out = torch.empty(37, 96, dtype=dtype)
             assert fn(w.qs.data_ptr(), w.scales.data_ptr(), out.data_ptr(), 0, 37, 96, 2) == 0
             assert torch.equal(out, torch.from_numpy(dense).to(dtype)), (type_name, name)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")],
+    ids=["native", "avx2", "portable"],
+)
+def test_every_build_multiplies_every_row_count(flags: tuple[str, ...]) -> None:
+    """The direct GEMM (a decode batch's) of 1..17 rows, built for this machine, without
+    AVX-512 (an AVX2 CPU) and with neither (plain C): a tile for each count up to 8, then
+    whole 8s and one tile for the rest; every row equals the float32 GEMM's."""
+    import ctypes
+
+    path = native.build(native.QUANT_SOURCE, flags)
+    if path is None:
+        pytest.skip(f"quant_gemm.c does not build here with {flags}")
+    lib = ctypes.CDLL(str(path))
+    for type_name in TYPES:
+        w, dense = _blocks(type_name, 37, 96, seed=17)
+        fn = getattr(lib, f"mc_{w.kind}_gemm")
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        for rows in range(1, 18):
+            x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, 96))).float()
+            y = torch.full((rows, 37), float("nan"))
+            assert fn(w.qs.data_ptr(), w.scales.data_ptr(), x.data_ptr(), y.data_ptr(),
+                      rows, 37, 96, 2) == 0  # fmt: skip
+            want = x @ torch.from_numpy(dense).t()
+            scale = want.abs().max().item() + 1
+            assert (y - want).abs().max().item() <= 1e-5 * scale * 3, (type_name, rows)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
