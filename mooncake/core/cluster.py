@@ -239,6 +239,12 @@ class Inflight:
         return (self.prefill_instance, *self.stage_instances)
 
 
+def _judged_by(r: Inflight) -> None:
+    """A request's predicted TTFT after its predicted prefill end moved (`reestimate`): from
+    its admission to that end (what it was at admission), never under its own prefill."""
+    r.predicted_ttft_s = max(r.prefill_done_at - r.admitted_at, r.predicted_prefill_s)
+
+
 class ClusterView:
     def __init__(self) -> None:
         self.prefill: dict[str, PrefillInstance] = {}
@@ -445,8 +451,10 @@ class ClusterView:
         self._end_prefill(r)
         r.phase, r.prefill_done_at = "prefilled", now
         if r.sampled:
+            # A group's (CPP) pipelined prefill is not one instance's price: not rescaled.
+            own = 0.0 if r.stage_instances else r.predicted_prefill_s
             self.ttft_errors.add(now - r.admitted_at, r.predicted_ttft_s, r.context_tokens,
-                                 r.cached_tokens, r.predicted_prefill_s)  # fmt: skip
+                                 r.cached_tokens, own)  # fmt: skip
 
     def reestimate(self, prefill_s: Callable[[int, int], float], now: float) -> None:
         """The cost model changed: predict every queued and running prefill again with
@@ -465,9 +473,9 @@ class ClusterView:
                 new = prefill_s(r.context_tokens, r.cached_tokens)
                 shift = new - r.predicted_prefill_s
                 r.predicted_prefill_s = new
-                r.predicted_ttft_s += shift
                 p.running_ends_at += shift
                 r.prefill_done_at = p.running_ends_at
+                _judged_by(r)
             total = 0.0
             for rid in p.queued:
                 q = self.inflight.get(rid)
@@ -477,8 +485,8 @@ class ClusterView:
                 new = prefill_s(q.context_tokens, q.cached_tokens)
                 shift += new - q.predicted_prefill_s
                 q.predicted_prefill_s = p.queued[rid] = new
-                q.predicted_ttft_s += shift
                 q.prefill_done_at = max(q.prefill_done_at + shift, now)
+                _judged_by(q)
                 total += new
             p.queued_s = total
 

@@ -16,9 +16,10 @@ goodput 0 in five of six runs, from that alone (BENCHMARKS.md).
 
 When the cost model refits, what it would have predicted changes, so the error it would
 have made does too: `rescale` divides each kept sample's miss by how much the new model
-prices that request's prefill above its prediction (the queue ahead of it is prefills too),
-and `ClusterView.reestimate` moves the prediction of each request still in flight by its
-prefill end's shift. Otherwise a model refitted to the same slow prefills that made the
+prices that request's own prefill above its prediction (an approximation: the queue ahead
+of it is taken to have changed alike, and a prefix's transfer with it), and
+`ClusterView.reestimate` moves the prediction of each request still in flight to its new
+predicted prefill end. Otherwise a model refitted to the same slow prefills that made the
 margin is judged with that margin on top: live on a 2-vCPU Xeon, a refit from 2.58 to
 3.17 s for 3,000 tokens kept the 1.28 it was missing by, and a burst's third request,
 predicted at 9.5 s and served at ~9.4, was rejected (12.1 s > 10 s).

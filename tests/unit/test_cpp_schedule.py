@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +22,7 @@ from mooncake.core.conductor import (
 )
 from mooncake.core.cost_model import reference_costs
 from mooncake.core.cpp import CppConfig, CppPlan, cpp_ttft_s
+from mooncake.core.ttft_error import TtftErrors
 from mooncake.events import RejectReason
 from mooncake.sim import SimConfig, run_simulation
 from mooncake.sim.mooncake_system import MooncakeSystem
@@ -92,6 +94,13 @@ def test_a_refit_keeps_a_group_s_pipelined_prediction() -> None:
     v.apply(fact, 0.0)
     v.reestimate(lambda p, c: 1e6, 0.0)  # a single-instance model far off
     assert v.prefill["p0"].queue_s(0.0) == d.prefill_s
+    # Nor is its TTFT sample rescaled at one instance's price when a later refit comes.
+    v.ttft_errors = TtftErrors(min_samples=1)
+    v.apply(cl.PrefillStarted("r"), 0.0)
+    v.apply(cl.PrefillFinished("r"), 2.0 * d.predicted_ttft_s)  # missed by 2x
+    before = v.ttft_errors.margin(1.0)
+    v.reestimate(lambda p, c: 1e6, 1.0)
+    assert before == pytest.approx(2.0) and v.ttft_errors.margin(1.0) == before
 
 
 def test_a_rejected_group_says_which_instances() -> None:

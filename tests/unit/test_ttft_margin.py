@@ -43,13 +43,22 @@ def test_a_refit_rescales_the_misses_by_each_requests_prefill_change() -> None:
     e = TtftErrors(window=10, min_samples=2)
     e.add(3.0, 2.0, 1000, 0, 1.0)  # missed by 1.5x; its own prefill predicted at 1 s
     e.add(6.0, 4.0, 3000, 1000, 2.0)  # missed by 1.5x; 2 s of prefill
-    e.add(1.0, 1.0)  # no prefill given: kept as it is
-    assert e.margin(1.0) == pytest.approx(1.5)
+    e.add(1.2, 1.0)  # no prefill given: kept as it is
+    assert e.margin(1.0) == pytest.approx(1.5) and e.margin(0.3) == pytest.approx(1.2)
     # The new model: 1.5 ms per uncached token, 1.5x the old for both.
     e.rescale(lambda prompt, cached: 0.0015 * (prompt - cached))
-    assert e.margin(1.0) == pytest.approx(1.0) and e.margin(0.5) == pytest.approx(1.0)
+    assert e.margin(1.0) == pytest.approx(1.2)  # the unscaled one now misses most
+    assert e.margin(0.5) == pytest.approx(1.0)
     e.rescale(lambda prompt, cached: 0.0)  # a nonsense price changes nothing
-    assert e.margin(1.0) == pytest.approx(1.0)
+    assert e.margin(1.0) == pytest.approx(1.2) and e.margin(0.5) == pytest.approx(1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerToken:
+    s: float
+
+    def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        return self.s * (prompt_tokens - cached_tokens)
 
 
 def _missed(v: cl.ClusterView, factor: float, n: int = MIN_SAMPLES) -> None:
@@ -88,9 +97,28 @@ def test_a_refit_to_the_slow_prefills_that_made_the_margin_takes_it_back() -> No
     _missed(v, 1.6)  # 100-token prefills predicted at 1 s took 1.6 s
     req = ScheduleRequest("r", 3500, ())
     assert not decide("early", v, req, CFG, COSTS, 2000.0).admitted  # 3.5 x 1.6 > 5 s
-    # The model refits to the same prefills (1.6 s for 100 tokens): the misses are gone.
-    v.reestimate(lambda prompt, cached: 0.016 * (prompt - cached), 2000.0)
+    # The model refits to the same prefills (1.6 s for 100 tokens): the misses are gone, and
+    # a request the new model predicts under the SLO is admitted.
+    slow = dataclasses.replace(COSTS, prefill=_PerToken(0.016))
+    v.reestimate(slow.prefill.prefill_s, 2000.0)
     assert v.ttft_errors.margin(CFG.ttft_margin_quantile or 0.9) == pytest.approx(1.0)
+    assert decide("early", v, ScheduleRequest("r", 300, ()), CFG, slow, 2000.0).admitted  # 4.8 s
+    assert not decide("early", v, ScheduleRequest("r", 350, ()), CFG, slow, 2000.0).admitted
+
+
+def test_a_refit_mid_prefill_keeps_each_queued_prediction_from_its_admission() -> None:
+    v = view(1, 1)
+    # a (10,000 tokens, 10 s) runs from 0; q (1,000) is admitted at 9 with 1 s of a left.
+    v.apply(cl.Assigned("a", "p0", "d0", 10_000, 10.0, 10.0), 0.0)
+    v.apply(cl.PrefillStarted("a"), 0.0)
+    v.apply(cl.Assigned("q", "p0", "d0", 1000, 1.0, 2.0), 9.0)
+    # At 9.5 the model halves: a "should" have ended at 5; q's end is now (clamped), and its
+    # TTFT from its admission to there, never under its own 0.5 s prefill.
+    v.reestimate(lambda prompt, cached: 0.0005 * (prompt - cached), 9.5)
+    q = v.inflight["q"]
+    assert q.prefill_done_at == pytest.approx(9.5)
+    assert q.predicted_ttft_s == pytest.approx(0.5)
+    assert v.inflight["a"].predicted_ttft_s == pytest.approx(5.0)
 
 
 def test_a_pessimistic_model_admits_past_its_prediction() -> None:
