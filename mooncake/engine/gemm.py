@@ -103,8 +103,8 @@ def bf16_instructions() -> bool:
 def bf16_gemm_speedup() -> float | None:
     """How many times faster oneDNN multiplies a prefill-sized GEMM (256 rows of 1,024 by
     1,536 x 1,024) in bfloat16 than in float32 here, at torch's thread count when first
-    asked (speed.speedup: paired, ~0.1 s once a process); None where the CPU has no bfloat16
-    instructions oneDNN uses."""
+    asked (speed.speedup: the best of 9 calls each, ~0.2 s once a process); None where the
+    CPU has no bfloat16 instructions oneDNN uses."""
     if not bf16_instructions():
         return None
     g = torch.Generator().manual_seed(0)

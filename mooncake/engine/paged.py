@@ -57,10 +57,10 @@ def prefill_kernel(pool: KVPool, bf16: bool = False) -> native.PagedPrefill | No
 def bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | None:
     """How many times faster the native prefill kernel's bfloat16 build runs than its
     float32 one here: 256 new rows of 3 KV heads of 3 query heads each after 1,792 cached
-    keys, at torch's thread count when first asked (speed.speedup: paired, ~0.1 s once a
-    process). None where there is no bfloat16 build (no AVX512_BF16, a head of other than a
-    multiple of 32 floats, no C compiler). ~1.6x on a Zen 4 EPYC; 0.60-0.70x on a Xeon
-    whose VM exposes AVX512_BF16 without AMX (engine.speed)."""
+    keys, at torch's thread count when first asked (speed.speedup: the best of 9 calls
+    each, ~0.2 s once a process). None where there is no bfloat16 build (no AVX512_BF16, a
+    head of other than a multiple of 32 floats, no C compiler). ~1.6x on a Zen 4 EPYC;
+    0.60-0.70x on a Xeon whose VM exposes AVX512_BF16 without AMX (engine.speed)."""
     f32 = native.load_prefill(head_dim, page_tokens)
     bf = native.load_prefill(head_dim, page_tokens, bf16=True)
     if f32 is None or bf is None or not bf.bf16:
@@ -90,11 +90,11 @@ def torch_bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | Non
     """How many times faster torch's fused attention runs over bfloat16 copies of the keys
     and values (the copies inside the clock: the pool keeps float32) than the native float32
     kernel here: 1,024 new rows of 3 KV heads of 3 query heads each after 1,024 cached keys,
-    at torch's thread count when first asked (speed.speedup: paired, once a process). None
-    where the CPU has no bfloat16 instructions oneDNN uses or there is no native kernel to
-    compare with. On a 2-vCPU Xeon with AMX: a 3,000-token SmolLM2 prefill 1.37x faster
-    whole (attention in float32 was ~half of it), where the native bfloat16 build measured
-    0.57x (issue 42)."""
+    at torch's thread count when first asked (speed.speedup: the best of 9 calls each, once a
+    process). None where the CPU has no bfloat16 instructions oneDNN uses or there is no
+    native kernel to compare with. On a 2-vCPU Xeon with AMX: a 3,000-token SmolLM2 prefill
+    1.37x faster whole (attention in float32 was ~half of it), where the native bfloat16
+    build measured 0.57x (issue 42)."""
     from mooncake.engine.gemm import bf16_instructions
 
     f32 = native.load_prefill(head_dim, page_tokens)

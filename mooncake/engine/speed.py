@@ -24,6 +24,18 @@ import torch
 FASTER = 1.1
 
 
+def _interleaved(
+    ours: Callable[[], float], theirs: Callable[[], float], reps: int
+) -> tuple[list[float], list[float]]:
+    """`reps` timings of each, back to back in each repetition, after one warm-up each."""
+    ours(), theirs()
+    a, b = [], []
+    for _ in range(reps):
+        a.append(ours())
+        b.append(theirs())
+    return a, b
+
+
 def paired(
     ours: Callable[[], float], theirs: Callable[[], float], reps: int
 ) -> tuple[float, float, float]:
@@ -31,11 +43,7 @@ def paired(
     callable returning the seconds it took. The two run back to back in each repetition,
     after one warm-up each, so a burst of load from elsewhere on the machine hits both sides
     of a pair."""
-    ours(), theirs()
-    a, b = [], []
-    for _ in range(reps):
-        a.append(ours())
-        b.append(theirs())
+    a, b = _interleaved(ours, theirs, reps)
     ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
     return statistics.median(a), statistics.median(b), ratio
 
@@ -60,11 +68,7 @@ def best_ratio(ours: Callable[[], float], theirs: Callable[[], float], reps: int
     a median of pairs is not: while `up`'s other processes started (importing torch on the
     same two CPUs, one mapping its KV pool), the median of 5 pairs measured bfloat16 GEMMs
     that run 4x faster at under 1.1x, and the engine took float32."""
-    ours(), theirs()
-    a, b = [], []
-    for _ in range(reps):
-        a.append(ours())
-        b.append(theirs())
+    a, b = _interleaved(ours, theirs, reps)
     return min(b) / min(a)
 
 

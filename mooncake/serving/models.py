@@ -71,7 +71,9 @@ def build_engine(settings: Settings, role: Side | None = None) -> Engine:
             gemm=resolve_precision(s.gemm),
         )
         engine.prefill_attention  # noqa: B018 - chosen (measured) now
-        if s.prefault_kv:  # in the turn too: it takes a CPU the other side's probes time on
+        # In the turn too (the two sides map theirs one after the other): it takes a CPU the
+        # other side's probes time on.
+        if s.prefault_kv:
             t0 = time.perf_counter()
             engine.pool.prefault()
             log.info("engine: KV pool mapped in %.1f s", time.perf_counter() - t0)
