@@ -72,7 +72,7 @@ static inline void block_q8(const uint8_t* qs, const float* sc, int n, int nb, i
         }                                                                                    \
     }
 
-/* Rows of 4 or 8 (decode batches): two output columns at a time, so each x vector loaded
+/* Rows of 3 to 8 (decode batches): two output columns at a time, so each x vector loaded
  * is multiplied by both columns' widened blocks (a load per two FMAs, not per FMA), one
  * accumulator a (row, column): 2 x MT of them, enough FMAs in flight to cover their
  * latency. On a 2-vCPU Zen 4 EPYC, 8 rows of SmolLM2's GEMMs: 0.97-1.07x on the 576-wide
@@ -164,7 +164,7 @@ static inline float hsum256(__m256 v) {
             }                                                                                \
         }                                                                                    \
     }
-#define Q_TILE(NAME, MT, WIDEN) Q_TILE_N(NAME, MT, ((MT) <= 2 ? 4 : 1), WIDEN)
+#define Q_TILE(NAME, MT, WIDEN) Q_TILE_N(NAME, MT, ((MT) <= 2 ? 4 : (MT) == 3 ? 2 : 1), WIDEN)
 
 /* The 32 values of block b of row n as four vectors of 8 floats, in element order. */
 #define WIDEN_Q4(qs, sc, n, nb, b, w)                                                          \
