@@ -318,6 +318,10 @@ class Call:
             reason = "timeout" if self.over else "client_disconnected"
             log.info("%s: %s before its end; cancelling it", self.request_id, reason)
             await self.gateway.cancel(self.request_id, reason)
+        elif not (self.delivered or self.unsent or o.rejected_reason is not None):
+            # Not answered whole, yet over: nothing to stop (said, for a missing cancel).
+            log.info("%s: not answered whole and not cancelled (finish %s, ended %s)",
+                     self.request_id, o.finish_reason, (self.ended or {}).get("type"))  # fmt: skip
         self.span.end()
 
 
