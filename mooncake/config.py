@@ -336,6 +336,10 @@ class Settings(BaseSettings):
     # None: `mooncake up` starts an embedded Postgres and records its URL in runtime.env.
     database_url: str | None = None
     data_dir: Path = DEFAULT_DATA_DIR
+    # The Mooncake request traces `simulate paper`, `bench conductor` and `bench memory` read:
+    # a directory holding conversation_trace.jsonl and synthetic_trace.jsonl (each may be
+    # gzipped, .jsonl.gz). None: the copies shipped in the package (`trace.traces_dir`).
+    traces: Path | None = None
 
     block_tokens: Annotated[int, Field(ge=16, le=4096)] = 512
     model_id: str = "smollm2-135m-instruct"

@@ -1,4 +1,9 @@
-"""Mooncake request traces (../shared/traces): loading, and hash id -> deterministic tokens.
+"""Mooncake request traces: where they are, loading, and hash id -> deterministic tokens.
+
+The two FAST'25 traces (conversation, synthetic) ship with the package, gzipped, in
+`data/traces` (data/README.md); `traces_dir` is the one place that decides which directory a
+command reads them from: its `--traces`, else the `traces` setting (MOONCAKE_TRACES), else
+the shipped one. Any trace file may be plain JSONL or gzipped (`.jsonl.gz`).
 
 A trace line is `{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids":
 [...]}`; hash id i covers prompt tokens [512·i, 512·(i+1)) and ids are prefix-chained (a
@@ -10,18 +15,35 @@ kept, only the lengths shrink.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+if TYPE_CHECKING:
+    from mooncake.config import Settings
+
 TRACE_BLOCK_TOKENS = 512
 # The first 200 requests of the conversation trace, shipped in the package (data/README.md).
 SHIPPED_CONVERSATION = Path(__file__).parent / "data" / "conversation_head.jsonl"
+# The whole FAST'25 traces, gzipped, shipped in the package (data/README.md).
+SHIPPED_TRACES = Path(__file__).parent / "data" / "traces"
+# The traces a traces directory holds, each as NAME_trace.jsonl or NAME_trace.jsonl.gz.
+TRACE_NAMES = ("conversation", "synthetic")
+# A plain file is taken before a gzipped one of the same name: it is what someone who
+# unpacked a trace there to edit it means.
+_TRACE_SUFFIXES = (".jsonl", ".jsonl.gz")
+_EXPECTED = (
+    "a directory holding conversation_trace.jsonl and synthetic_trace.jsonl, "
+    "each plain or gzipped as .jsonl.gz"
+)
 
 
 class TraceError(ValueError):
@@ -46,9 +68,64 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
+def _find(directory: Path, name: str) -> Path | None:
+    """NAME_trace.jsonl, else NAME_trace.jsonl.gz, in `directory`; None where neither is."""
+    for suffix in _TRACE_SUFFIXES:
+        path = directory / f"{name}_trace{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def traces_dir(directory: Path | str | None = None, *, settings: Settings | None = None) -> Path:
+    """The directory the traces are read from: `directory` (a command's --traces) where
+    given, else `settings.traces` (MOONCAKE_TRACES) where set, else the copies shipped in
+    the package. It is checked here, before anything is loaded: one that does not hold every
+    trace of TRACE_NAMES is a TraceError naming it, where it came from and what it lacks,
+    not a FileNotFoundError deep in a run."""
+    if directory is not None:
+        found, label = Path(directory), f"traces directory {directory}"
+    elif settings is not None and settings.traces is not None:
+        found, label = settings.traces, f"MOONCAKE_TRACES={settings.traces}"
+    else:
+        found, label = SHIPPED_TRACES, f"shipped traces directory {SHIPPED_TRACES}"
+    if not found.is_dir():
+        raise TraceError(f"{label}: not a directory (expected {_EXPECTED})")
+    missing = [f"{n}_trace.jsonl[.gz]" for n in TRACE_NAMES if _find(found, n) is None]
+    if missing:
+        raise TraceError(f"{label}: no {' and no '.join(missing)} there (expected {_EXPECTED})")
+    return found
+
+
+def trace_path(
+    name: str, directory: Path | str | None = None, *, settings: Settings | None = None
+) -> Path:
+    """The file of trace `name` (one of TRACE_NAMES) in `traces_dir(directory, settings)`."""
+    path = _find(traces_dir(directory, settings=settings), name)
+    if path is None:
+        raise TraceError(f"no trace named {name!r}; one of {', '.join(TRACE_NAMES)}")
+    return path
+
+
+def _open_text(path: Path | str) -> TextIO:
+    """A trace file as text, gunzipped on the fly where its name ends in .gz (the shipped
+    traces are gzipped: a quarter of the size)."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def iter_trace(path: Path | str, *, limit: int | None = None) -> Iterator[TraceRequest]:
-    """Validated requests in file order; a bad line raises TraceError naming it."""
-    with open(path, encoding="utf-8") as fh:
+    """Validated requests in file order (a .gz file gunzipped); a bad line raises TraceError
+    naming it, as does a gzipped file that is cut short or not gzip at all."""
+    try:
+        yield from _iter_lines(path, limit)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise TraceError(f"{path}: not a whole gzip file ({exc})") from exc
+
+
+def _iter_lines(path: Path | str, limit: int | None) -> Iterator[TraceRequest]:
+    with _open_text(path) as fh:
         for lineno, raw in enumerate(fh, start=1):
             if limit is not None and lineno > limit:
                 return

@@ -19,13 +19,12 @@ from mooncake.bench.record import TERMINAL
 from mooncake.client import Outcome
 from mooncake.config import Settings
 from mooncake.core import cluster as cl
+from mooncake.trace import SHIPPED_CONVERSATION, TRACE_NAMES, dump_line, load_trace, trace_path
 
 # deploy/nats: the broker configs, and the users auth.conf defines (one per role).
 NATS_DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "nats"
-# The FAST'25 traces where ../shared is checked out beside the repository; elsewhere (a clean
-# clone, CI) the head of the conversation trace the package ships stands in for either one.
-SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-TRACE_HEAD = Path(__file__).resolve().parents[1] / "mooncake" / "data" / "conversation_head.jsonl"
+# The first 200 requests of the conversation trace, plain JSONL, shipped in the package.
+TRACE_HEAD = SHIPPED_CONVERSATION
 
 
 def cluster_view(prefill: int = 3, decode: int = 2) -> cl.ClusterView:
@@ -39,8 +38,19 @@ def cluster_view(prefill: int = 3, decode: int = 2) -> cl.ClusterView:
 
 
 def trace_file(name: str = "conversation") -> Path:
-    full = SHARED_TRACES / f"{name}_trace.jsonl"
-    return full if full.exists() else TRACE_HEAD
+    """The whole trace `name` as the package ships it (gzipped), whatever MOONCAKE_TRACES
+    says: the tests' numbers do not depend on the machine's settings."""
+    return trace_path(name)
+
+
+def small_traces(directory: Path, requests: int) -> Path:
+    """`directory` made a traces directory (`trace.traces_dir`) of the first `requests`
+    requests of each shipped trace, plain JSONL: traces small enough for a quick run."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in TRACE_NAMES:
+        lines = [dump_line(r) + "\n" for r in load_trace(trace_path(name), limit=requests)]
+        (directory / f"{name}_trace.jsonl").write_text("".join(lines))
+    return directory
 
 
 NATS_ROLES = (

@@ -1,11 +1,12 @@
 """`mooncake bench conductor`: what one Conductor decision costs, in one process.
 
 Setup: 64 prefill and 64 decode instances (one per node), LLaMA3-70B on 8xA800 reference
-costs, and a global block index of >= `min_blocks` keys built from the shared traces' block
-ids: the conversation and synthetic traces are laid down `copies` times under distinct key
-prefixes (copy 0 of the conversation trace uses key = str(hash_id) exactly), each request's
-blocks stored on one prefill node picked by a fixed hash of its position, so popular
-prefixes (the shared system prompts) end up held by many nodes, as hot blocks do.
+costs, and a global block index of >= `min_blocks` keys built from the traces' block ids
+(those shipped in the package unless told otherwise: `trace.traces_dir`): the conversation
+and synthetic traces are laid down `copies` times under distinct key prefixes (copy 0 of the
+conversation trace uses key = str(hash_id) exactly), each request's blocks stored on one
+prefill node picked by a fixed hash of its position, so popular prefixes (the shared system
+prompts) end up held by many nodes, as hot blocks do.
 
 Measured: the conversation trace's requests (copy 0, so their prefixes are in the index)
 are decided in arrival order with the `early` policy (Algorithm 1 with its SLO check),
@@ -20,7 +21,6 @@ baseline_decisions_per_s, i.e. what the KVCache-centric part costs (1.0 = free).
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,22 +32,18 @@ from mooncake.core import cluster as cl
 from mooncake.core.conductor import ConductorConfig, ScheduleRequest, assignment
 from mooncake.core.cost_model import reference_costs
 from mooncake.core.quantile import quantile
+from mooncake.trace import TRACE_NAMES, iter_trace, trace_path
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 Log = Callable[[str], None]
+Loaded = list[tuple[float, int, tuple[int, ...]]]
 
 
-def _load(path: Path) -> list[tuple[float, int, list[int]]]:
-    out = []
-    with path.open() as f:
-        for line in f:
-            r = json.loads(line)
-            out.append((r["timestamp"] / 1000.0, int(r["input_length"]), r["hash_ids"]))
-    return out
+def _load(path: Path) -> Loaded:
+    return [(r.arrival_s, r.input_length, r.hash_ids) for r in iter_trace(path)]
 
 
 def _build_view(
-    traces: dict[str, list[tuple[float, int, list[int]]]], instances: int, min_blocks: int
+    traces: dict[str, Loaded], instances: int, min_blocks: int
 ) -> tuple[cl.ClusterView, int]:
     view = cl.ClusterView()
     for i in range(instances):
@@ -110,11 +106,13 @@ def run_conductor_bench(
     min_blocks: int = 1_000_000,
     inflight: int = 512,
     policy: admission.Policy = "early",
-    traces: Path = TRACES,
+    traces: Path | None = None,
     log: Log | None = None,
 ) -> dict[str, Any]:
+    """The run (see the module doc) on the traces in `traces` (as `trace.traces_dir` takes
+    it; None: the shipped ones). A directory without them is a TraceError before any work."""
     say = log or (lambda _: None)
-    data = {n: _load(traces / f"{n}_trace.jsonl") for n in ("conversation", "synthetic")}
+    data = {n: _load(trace_path(n, traces)) for n in TRACE_NAMES}
     t0 = time.perf_counter()
     view, copies = _build_view(data, instances, min_blocks)
     build_s = time.perf_counter() - t0

@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +47,10 @@ from mooncake.core.quantile import quantile
 from mooncake.replay_live import LiveReplayOptions, fitted_trace, run_live_replay
 from mooncake.stack import Stack
 from mooncake.supervise import Exit
+from mooncake.trace import trace_path
 from mooncake.trace_fit import FitMode
 
 Log = Callable[[str], None]
-_REPO_TRACE = Path(__file__).resolve().parents[3] / "shared/traces/conversation_trace.jsonl"
-# The conversation trace; where ../shared is absent, its first 200 requests shipped with us.
-DEFAULT_TRACE = (
-    _REPO_TRACE
-    if _REPO_TRACE.exists()
-    else Path(__file__).resolve().parents[1] / "data" / "conversation_head.jsonl"
-)
 ENGINE_ROLES = ("prefill", "decode")
 PAPER_TBT_LIMITS_S = (0.1, 0.2, 0.3)
 DEFAULT_RATIO = RatioOptions()
@@ -66,7 +60,9 @@ DEFAULT_RATIO = RatioOptions()
 class MemoryOptions:
     speed: float = 5.0
     limit: int = 100
-    trace: Path = DEFAULT_TRACE
+    # The whole conversation trace, the copy shipped in the package (the CLI passes the one
+    # MOONCAKE_TRACES names, where it is set); found when the options are made, not on import.
+    trace: Path = field(default_factory=lambda: trace_path("conversation"))
     fit: FitMode = FitMode.SCALE
     max_output_tokens: int = 32
     # From the first submission: the replay and the drain together. Requests that have not

@@ -157,14 +157,28 @@ def bench_conductor(
     requests: Annotated[int, typer.Option(help="Decisions to time (conversation trace)")] = 12000,
     instances: Annotated[int, typer.Option(help="Prefill and decode instances, each")] = 64,
     min_blocks: Annotated[int, typer.Option(help="Keys in the global block index")] = 1_000_000,
+    traces: Annotated[
+        Path | None,
+        typer.Option(
+            help="Directory of conversation_trace.jsonl and synthetic_trace.jsonl (each may "
+            "be .jsonl.gz); default: MOONCAKE_TRACES, else the traces shipped in the package"
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Conductor decisions/s and p99 latency vs the same loop without the prefix index."""
     from mooncake.bench.conductor import run_conductor_bench
+    from mooncake.trace import TraceError, traces_dir
 
-    result = run_conductor_bench(
-        requests=requests, instances=instances, min_blocks=min_blocks, log=err.print
-    )
+    try:
+        directory = traces_dir(traces, settings=settings_or_exit())
+        result = run_conductor_bench(
+            requests=requests, instances=instances, min_blocks=min_blocks, traces=directory,
+            log=err.print,
+        )  # fmt: skip
+    except TraceError as exc:  # a traces directory without the traces, or a bad line
+        err.print(f"[red]bench conductor:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
     print_result("bench conductor", result, as_json)
 
 
@@ -235,7 +249,11 @@ def bench_memory(
         str, typer.Option(help="Bytes of each prefill/decode worker's KV pool, e.g. 1.5GiB")
     ] = "1.5GiB",
     trace: Annotated[
-        Path | None, typer.Option(help="A Mooncake trace (default: the conversation trace)")
+        Path | None,
+        typer.Option(
+            help="A Mooncake trace, .jsonl or .jsonl.gz (default: the conversation trace in "
+            "MOONCAKE_TRACES, else the one shipped in the package)"
+        ),
     ] = None,
     fit_context: Annotated[
         FitMode,
@@ -267,12 +285,8 @@ def bench_memory(
     throughput_req_s = completed / replay wall time; goodput_req_s = completed within the
     SLO (ttft_s and tbt_s of settings.slo) / replay wall time. Also the paged KV pool's
     decode tok/s at batch 32 over the old contiguous layout's, measured first."""
-    from mooncake.bench.memory import (
-        DEFAULT_RATIO,
-        DEFAULT_TRACE,
-        MemoryOptions,
-        run_memory_bench,
-    )
+    from mooncake.bench.memory import DEFAULT_RATIO, MemoryOptions, run_memory_bench
+    from mooncake.trace import TraceError, trace_path
 
     if cost_profile is not None and not cost_profile.is_file():
         err.print(f"[red]bench memory:[/red] no cost profile at {cost_profile}")
@@ -282,10 +296,15 @@ def bench_memory(
         admission_policy=admission_policy,
         conductor={"cost_profile": cost_profile} if cost_profile else None,
     )
+    try:
+        trace = trace or trace_path("conversation", settings=settings)
+    except TraceError as exc:  # MOONCAKE_TRACES names a directory without the traces
+        err.print(f"[red]bench memory:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
     opts = MemoryOptions(
         speed=speed,
         limit=limit,
-        trace=trace or DEFAULT_TRACE,
+        trace=trace,
         fit=fit_context,
         max_output_tokens=max_output,
         timeout_s=timeout,

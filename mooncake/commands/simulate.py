@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from mooncake.cli_common import console, err, print_result
+from mooncake.cli_common import console, err, print_result, settings_or_exit
 
 simulate_app = typer.Typer(
     help="Discrete-event simulation of the paper's systems on traces", no_args_is_help=True
@@ -78,7 +78,13 @@ def simulate_paper(
     quick: Annotated[bool, typer.Option("--quick", help="Trace prefixes only (< 60 s)")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
     out: Annotated[str | None, typer.Option(help="Write Markdown tables + CSV here")] = None,
-    traces: Annotated[str | None, typer.Option(help="Traces dir (default ../shared)")] = None,
+    traces: Annotated[
+        str | None,
+        typer.Option(
+            help="Directory of conversation_trace.jsonl and synthetic_trace.jsonl (each may "
+            "be .jsonl.gz); default: MOONCAKE_TRACES, else the traces shipped in the package"
+        ),
+    ] = None,
     speed: Annotated[float, typer.Option(help="Speed of the capacity runs")] = 1.0,
     jobs: Annotated[
         int | None,
@@ -87,10 +93,17 @@ def simulate_paper(
 ) -> None:
     """Regenerate the paper's experiments (PAPER.md §3, §5, §7) in one command."""
     from mooncake.sim.cli_support import run_paper_cli
+    from mooncake.trace import TraceError
 
-    result = run_paper_cli(
-        quick=quick, out=out, traces=traces, speed=speed, log=err.print, jobs=jobs
-    )
+    settings = settings_or_exit()
+    try:
+        result = run_paper_cli(
+            quick=quick, out=out, traces=traces, speed=speed, log=err.print, jobs=jobs,
+            settings=settings,
+        )  # fmt: skip
+    except TraceError as exc:  # a traces directory without the traces, or a bad line
+        err.print(f"[red]simulate paper:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from exc
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mooncake.config import Settings
 from mooncake.core.admission import POLICIES
-from mooncake.sim.paper import TRACES, run_paper
+from mooncake.sim.paper import run_paper
 from mooncake.sim.report import write_report
 from mooncake.sim.runner import CACHE_SCOPES, SCHEDULERS, SYSTEMS, SimConfig, run_simulation
-from mooncake.trace import load_trace
+from mooncake.trace import load_trace, traces_dir
 
 
 def run_one(
@@ -86,10 +87,12 @@ def run_paper_cli(
     speed: float,
     log: Any = None,
     jobs: int | None = None,
+    settings: Settings | None = None,
 ) -> dict[str, Any]:
-    result, samples = run_paper(
-        Path(traces) if traces else TRACES, quick=quick, speed=speed, log=log, jobs=jobs
-    )
+    """`run_paper` on the traces of `--traces`, else of the `traces` setting, else the
+    shipped ones: a directory without them is a TraceError (the CLI's exit code 2)."""
+    directory = traces_dir(traces, settings=settings)
+    result, samples = run_paper(directory, quick=quick, speed=speed, log=log, jobs=jobs)
     if out is not None:
         result["written"] = [str(p) for p in write_report(result, samples, Path(out))]
     return result

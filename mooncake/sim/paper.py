@@ -1,6 +1,7 @@
-"""`mooncake simulate paper`: the paper's experiments (PAPER.md §3, §5, §7) on the shared
-traces, through the simulator. Each experiment returns plain numbers; `report.py` turns them
-into Markdown. `quick` replays a prefix of each trace (the first `QUICK_LIMITS` requests).
+"""`mooncake simulate paper`: the paper's experiments (PAPER.md §3, §5, §7) on the FAST'25
+traces (those shipped in the package unless told otherwise: `trace.traces_dir`), through the
+simulator. Each experiment returns plain numbers; `report.py` turns them into Markdown.
+`quick` replays a prefix of each trace (the first `QUICK_LIMITS` requests).
 
 1. hit rate, global pool vs per-node local caches (FAST'25 Fig. 10): 10 prefill nodes of
    3 M tokens each; `local` = local caches behind a cache-unaware load balancer (how the
@@ -33,15 +34,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mooncake
 from mooncake.core.admission import Policy
 from mooncake.sim.metrics import LONG_PROMPT_TOKENS
 from mooncake.sim.runner import SYSTEMS, SimConfig, SimResult, run_simulation
-from mooncake.trace import TraceRequest, load_trace
+from mooncake.trace import TRACE_NAMES, TraceRequest, load_trace, trace_path
+from mooncake.trace import traces_dir as resolve_traces_dir
 
-# mooncake/__init__.py -> parents[2] is the directory holding the repo (and shared/).
-TRACES = Path(mooncake.__file__).resolve().parents[2] / "shared" / "traces"
-TRACE_NAMES = ("conversation", "synthetic")
 QUICK_LIMITS = {"conversation": 1500, "synthetic": 800}
 # The paper's three (PAPER.md §5), then ours (core/admission.py `forecast`).
 OVERLOAD_POLICIES: tuple[Policy, ...] = ("baseline", "early", "predicted", "forecast")
@@ -51,9 +49,7 @@ Traces = dict[str, list[TraceRequest]]
 
 def load_traces(traces_dir: Path, quick: bool) -> Traces:
     return {
-        name: load_trace(
-            traces_dir / f"{name}_trace.jsonl", limit=QUICK_LIMITS[name] if quick else None
-        )
+        name: load_trace(trace_path(name, traces_dir), limit=QUICK_LIMITS[name] if quick else None)
         for name in TRACE_NAMES
     }
 
@@ -267,7 +263,7 @@ def default_jobs() -> int:
 
 
 def run_paper(
-    traces_dir: Path = TRACES,
+    traces_dir: Path | None = None,
     *,
     quick: bool = False,
     speed: float = 1.0,
@@ -276,22 +272,25 @@ def run_paper(
 ) -> tuple[dict[str, Any], Samples]:
     """Every experiment, in two halves of about equal work: with `jobs` >= 2 the first runs
     in a forked process while this one runs the second (each run is a pure function of its
-    trace and configuration, so the numbers are the same either way)."""
+    trace and configuration, so the numbers are the same either way). `traces_dir`: as
+    `trace.traces_dir` takes it (None: the traces shipped in the package); one without the
+    traces is a TraceError here, before any work starts."""
     global _LOG
+    directory = resolve_traces_dir(traces_dir)
     _LOG = log or _quiet
     t0 = time.perf_counter()
     parallel = (jobs if jobs is not None else default_jobs()) >= 2
     if parallel:
         with multiprocessing.get_context("fork").Pool(1) as pool:
-            a_async = pool.apply_async(_part_a, (traces_dir, quick))
-            b = _part_b(traces_dir, quick, speed)
+            a_async = pool.apply_async(_part_a, (directory, quick))
+            b = _part_b(directory, quick, speed)
             a, samples = a_async.get()
     else:
-        a, samples = _part_a(traces_dir, quick)
-        b = _part_b(traces_dir, quick, speed)
+        a, samples = _part_a(directory, quick)
+        b = _part_b(directory, quick, speed)
     result: dict[str, Any] = {
         "quick": quick,
-        "traces": str(traces_dir),
+        "traces": str(directory),
         "requests": b["requests"],
         "capacity_speed": speed,
         "hit_rate": a["hit_rate"],

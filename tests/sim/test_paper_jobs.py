@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mooncake.sim.paper import TRACE_NAMES, run_paper
+from mooncake.sim.paper import run_paper
 
-from helpers import trace_file
+from helpers import small_traces
 
 
 def test_two_processes_give_the_same_numbers_as_one(tmp_path: Path) -> None:
-    for name in TRACE_NAMES:
-        lines = trace_file(name).read_text().splitlines()[:80]
-        (tmp_path / f"{name}_trace.jsonl").write_text("\n".join(lines) + "\n")
+    small_traces(tmp_path, 80)
     heard: list[str] = []
     one, one_samples = run_paper(tmp_path, quick=True, jobs=1)
     two, two_samples = run_paper(tmp_path, quick=True, jobs=2, log=heard.append)

@@ -8,9 +8,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from mooncake.cli import app
-from mooncake.sim.paper import TRACE_NAMES
 
-from helpers import trace_file
+from helpers import small_traces
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = (
@@ -27,13 +26,8 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_paper_quick_writes_the_plots_next_to_the_tables(tmp_path: Path) -> None:
-    # Small traces: the first 120 requests of each trace (quick caps them anyway); the
-    # packaged head stands in for both where ../shared is not checked out.
-    traces = tmp_path / "traces"
-    traces.mkdir()
-    for name in TRACE_NAMES:
-        lines = trace_file(name).read_text().splitlines()[:120]
-        (traces / f"{name}_trace.jsonl").write_text("\n".join(lines) + "\n")
+    # Small traces: the first 120 requests of each shipped trace (quick caps them anyway).
+    traces = small_traces(tmp_path / "traces", 120)
     out = tmp_path / "out"
     args = ["simulate", "paper", "--quick", "--json", "--traces", str(traces), "--out", str(out)]
     res = CliRunner().invoke(app, args)

@@ -101,7 +101,7 @@ def test_cli_simulate_run_takes_the_scope_scheduler_and_slos() -> None:
     # decode_shared), and at 3x speed instances are rarely idle.
     tight = _run_json("--policy", "early", "--tbt-slo", "0.001", "--speed", "3")
     assert tight["tbt_slo_s"] == 0.001 and tight["speed"] == 3.0
-    assert tight["requests"] == min(300, len(load_trace(CONV)))
+    assert tight["requests"] == 300  # the shipped trace has 12,031
     assert tight["rejected"] >= 0.8 * tight["requests"]
     loose_ttft = _run_json("--ttft-slo", "1000")
     assert loose_ttft["rejected"] == 0
