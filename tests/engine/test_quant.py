@@ -12,6 +12,7 @@ O(1)) and allows reordering.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import numpy as np
@@ -140,6 +141,14 @@ def test_bfloat16_dequantization_is_the_float32_values_rounded(
             w.dequantize(out=torch.empty(37 * 96), dtype=torch.bfloat16)
 
 
+def _quant_build(flags: tuple[str, ...]) -> ctypes.CDLL:
+    """quant_gemm.c built with `flags` (skip where it does not build here)."""
+    path = native.build(native.QUANT_SOURCE, flags)
+    if path is None:
+        pytest.skip(f"quant_gemm.c does not build here with {flags}")
+    return ctypes.CDLL(str(path))
+
+
 @pytest.mark.parametrize(
     "flags", [(), ("-mno-avx512bf16",), ("-mno-avx512f",)], ids=["native", "no-bf16", "avx2"]
 )
@@ -147,12 +156,7 @@ def test_every_build_dequantizes_to_the_same_values(flags: tuple[str, ...]) -> N
     """quant_gemm.c built for this machine, without AVX512_BF16 (the rounding in plain C)
     and without AVX-512 (as on an AVX2 CPU): float32 and bfloat16 values the same as
     gguf's, rounded as torch rounds."""
-    import ctypes
-
-    path = native.build(native.QUANT_SOURCE, flags)
-    if path is None:
-        pytest.skip(f"quant_gemm.c does not build here with {flags}")
-    lib = ctypes.CDLL(str(path))
+    lib = _quant_build(flags)
     for type_name in TYPES:
         w, dense = _blocks(type_name, 37, 96, seed=13)
         for dtype, name in ((torch.float32, "dequant"), (torch.bfloat16, "dequant_bf16")):
@@ -172,12 +176,7 @@ def test_every_build_multiplies_every_row_count(flags: tuple[str, ...]) -> None:
     """The direct GEMM (a decode batch's) of 1..17 rows, built for this machine, without
     AVX-512 (an AVX2 CPU) and with neither (plain C): a tile for each count up to 8, then
     whole 8s and one tile for the rest; every row equals the float32 GEMM's."""
-    import ctypes
-
-    path = native.build(native.QUANT_SOURCE, flags)
-    if path is None:
-        pytest.skip(f"quant_gemm.c does not build here with {flags}")
-    lib = ctypes.CDLL(str(path))
+    lib = _quant_build(flags)
     for type_name in TYPES:
         w, dense = _blocks(type_name, 37, 96, seed=17)
         fn = getattr(lib, f"mc_{w.kind}_gemm")
