@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mooncake import events as ev
 from mooncake import metrics
+from mooncake.aio import cancel_all
 from mooncake.client import QUIET, InOrderText, Looks, Outcome, new_request_id
 from mooncake.config import Settings
 from mooncake.engine.tokenizer import ChatTokenizer
@@ -459,8 +460,14 @@ class Gateway:
 
 
 async def _unless_disconnected(work: Awaitable[None], request: Request | None) -> bool:
-    """Run `work` while watching the client: False (and `work` cancelled) if the client hung
-    up first. The body has been read, so the next ASGI message is the disconnect."""
+    """Run `work` while watching the client: False (and `work` stopped) if the client hung
+    up first. The body has been read, so the next ASGI message is the disconnect.
+
+    `work` is stopped by `aio.cancel_all`, which cancels again while it runs: one cancel
+    could be swallowed (Python 3.11's `wait_for` under nats-py's `next_msg` returns a reply
+    already queued instead of raising), and the request then ran to its last token
+    uncancelled, its client long gone (CI, twice: the decode's tokens came fast enough that
+    one was always queued)."""
     task = asyncio.ensure_future(work)
     if request is None:
         await task
@@ -472,13 +479,13 @@ async def _unless_disconnected(work: Awaitable[None], request: Request | None) -
 
     watch = asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in (task, watch):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-    if task.done() and not task.cancelled():
+        await cancel_all([t for t in (task, watch) if not t.done()])
+        for t in (task, watch):  # retrieved: what ended with the client gone is nobody's
+            if t.done() and not t.cancelled():
+                t.exception()
+    if task in done:
         task.result()  # its failure, if any, is the request's
         return True
     return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from mooncake.client import QUIET, TERMINAL_TYPES, Outcome, is_final
 from mooncake.config import Settings
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.gateway import GatewayOptions, create_app
-from mooncake.gateway.app import Gateway
+from mooncake.gateway.app import Gateway, _unless_disconnected
 from mooncake.gateway.translate import Submission
 
 MODEL = "test-model"
@@ -838,3 +839,52 @@ def test_up_gives_the_gateway_its_port_or_a_free_one(tmp_path: Path) -> None:
     stack.gateway_port = busy
     assert stack.child_env()["MOONCAKE_GATEWAY__PORT"] == str(busy)
     assert stack.gateway_url == f"http://127.0.0.1:{busy}/v1"
+
+
+async def test_work_that_swallows_a_cancel_is_still_stopped_when_the_client_leaves() -> None:
+    """Python 3.11's `wait_for` (under nats-py's `next_msg`) returns a reply already queued
+    instead of raising the cancel: the work must be cancelled again, not waited for to its
+    end while its client is gone."""
+    stopped = asyncio.Event()
+    cancels = 0
+
+    async def work() -> None:
+        nonlocal cancels
+        try:
+            while True:
+                try:
+                    await asyncio.sleep(0.01)
+                except asyncio.CancelledError:
+                    cancels += 1
+                    if cancels > 1:
+                        raise  # the first one swallowed, as wait_for did
+        finally:
+            stopped.set()
+
+    class Gone:
+        async def receive(self) -> dict[str, Any]:
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+    t0 = time.monotonic()
+    assert await _unless_disconnected(work(), Gone()) is False  # type: ignore[arg-type]
+    assert stopped.is_set() and cancels == 2
+    assert time.monotonic() - t0 < 5.0
+
+
+async def test_work_done_before_the_client_leaves_is_the_answer() -> None:
+    class Stays:
+        async def receive(self) -> dict[str, Any]:
+            await asyncio.sleep(60)
+            return {"type": "http.disconnect"}
+
+    async def work() -> None:
+        await asyncio.sleep(0.01)
+
+    assert await _unless_disconnected(work(), Stays()) is True  # type: ignore[arg-type]
+
+    async def fails() -> None:
+        raise RuntimeError("the request's own failure")
+
+    with pytest.raises(RuntimeError, match="own failure"):
+        await _unless_disconnected(fails(), Stays())  # type: ignore[arg-type]
