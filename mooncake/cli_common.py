@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Literal
 
 import typer
@@ -23,6 +25,19 @@ def settings_or_exit(**overrides: object) -> Settings:
         return load_settings(**given)
     except Exception as exc:  # a bad MOONCAKE_* value or option: say which, do not trace back
         err.print(f"[red]invalid configuration:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+@contextlib.contextmanager
+def trace_errors_exit(command: str) -> Iterator[None]:
+    """A traces directory without the traces, or a bad trace line (`trace.TraceError`), as
+    one line naming `command` and exit code 2, not a traceback."""
+    from mooncake.trace import TraceError
+
+    try:
+        yield
+    except TraceError as exc:
+        err.print(f"[red]{command}:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
 
 

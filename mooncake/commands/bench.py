@@ -17,6 +17,7 @@ from mooncake.cli_common import (
     precision,
     print_result,
     settings_or_exit,
+    trace_errors_exit,
 )
 from mooncake.trace_fit import FitMode
 
@@ -168,17 +169,14 @@ def bench_conductor(
 ) -> None:
     """Conductor decisions/s and p99 latency vs the same loop without the prefix index."""
     from mooncake.bench.conductor import run_conductor_bench
-    from mooncake.trace import TraceError, traces_dir
+    from mooncake.trace import traces_dir
 
-    try:
+    with trace_errors_exit("bench conductor"):
         directory = traces_dir(traces, settings=settings_or_exit())
         result = run_conductor_bench(
             requests=requests, instances=instances, min_blocks=min_blocks, traces=directory,
             log=err.print,
         )  # fmt: skip
-    except TraceError as exc:  # a traces directory without the traces, or a bad line
-        err.print(f"[red]bench conductor:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(2) from exc
     print_result("bench conductor", result, as_json)
 
 
@@ -286,7 +284,7 @@ def bench_memory(
     SLO (ttft_s and tbt_s of settings.slo) / replay wall time. Also the paged KV pool's
     decode tok/s at batch 32 over the old contiguous layout's, measured first."""
     from mooncake.bench.memory import DEFAULT_RATIO, MemoryOptions, run_memory_bench
-    from mooncake.trace import TraceError, trace_path
+    from mooncake.trace import trace_path
 
     if cost_profile is not None and not cost_profile.is_file():
         err.print(f"[red]bench memory:[/red] no cost profile at {cost_profile}")
@@ -296,11 +294,8 @@ def bench_memory(
         admission_policy=admission_policy,
         conductor={"cost_profile": cost_profile} if cost_profile else None,
     )
-    try:
+    with trace_errors_exit("bench memory"):  # MOONCAKE_TRACES without the traces
         trace = trace or trace_path("conversation", settings=settings)
-    except TraceError as exc:  # MOONCAKE_TRACES names a directory without the traces
-        err.print(f"[red]bench memory:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(2) from exc
     opts = MemoryOptions(
         speed=speed,
         limit=limit,

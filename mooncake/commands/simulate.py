@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from mooncake.cli_common import console, err, print_result, settings_or_exit
+from mooncake.cli_common import console, err, print_result, settings_or_exit, trace_errors_exit
 
 simulate_app = typer.Typer(
     help="Discrete-event simulation of the paper's systems on traces", no_args_is_help=True
@@ -93,17 +93,13 @@ def simulate_paper(
 ) -> None:
     """Regenerate the paper's experiments (PAPER.md §3, §5, §7) in one command."""
     from mooncake.sim.cli_support import run_paper_cli
-    from mooncake.trace import TraceError
 
     settings = settings_or_exit()
-    try:
+    with trace_errors_exit("simulate paper"):
         result = run_paper_cli(
             quick=quick, out=out, traces=traces, speed=speed, log=err.print, jobs=jobs,
             settings=settings,
         )  # fmt: skip
-    except TraceError as exc:  # a traces directory without the traces, or a bad line
-        err.print(f"[red]simulate paper:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(2) from exc
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
