@@ -481,7 +481,7 @@ async def _unless_disconnected(work: Awaitable[None], request: Request | None) -
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        await cancel_all([t for t in (task, watch) if not t.done()])
+        await cancel_all([task, watch])
         for t in (task, watch):  # retrieved: what ended with the client gone is nobody's
             if t.done() and not t.cancelled():
                 t.exception()
