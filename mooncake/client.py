@@ -24,6 +24,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from mooncake import events as ev
+from mooncake.aio import cancel_all
 from mooncake.bus.consume import ConsumerSpec
 from mooncake.bus.publish import Publisher
 from mooncake.hashing import DEFAULT_TENANT
@@ -289,10 +290,8 @@ async def ask(
                     # not hold up).
                     looking = asyncio.create_task(_caught_up(nc, ns, out))
     finally:
-        if looking is not None and not looking.done():
-            looking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await looking
+        if looking is not None:
+            await cancel_all([looking])
     if out.incomplete:
         try:
             await fill_from_copy(nc, ns, out)

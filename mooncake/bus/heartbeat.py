@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from mooncake.aio import cancel_all
 from mooncake.bus.consume import Delivery
 
 
@@ -49,6 +50,4 @@ async def keep_alive(delivery: Delivery, interval_s: float):  # type: ignore[no-
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_all([task])

@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from mooncake import events as ev
 from mooncake import metrics
+from mooncake.aio import cancel_all
 from mooncake.core import cluster as cl
 from mooncake.store import protocol as sp
 from mooncake.store.kv_follow import KvIndexSubscriber
@@ -229,9 +230,7 @@ class LiveFeed:
 
     async def stop(self) -> None:
         if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+            await cancel_all([self._ticker])
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from mooncake import events as ev
 from mooncake import metrics
+from mooncake.aio import cancel_all
 from mooncake.bus import terminal
 from mooncake.bus.consume import ConsumerSpec, PullConsumer
 from mooncake.bus.publish import MSG_ID
@@ -87,6 +88,7 @@ class Reaper:
         self.view, self.cfg, self.costs, self.ender = view, cfg, costs, ender
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[int]] = set()  # reapers of revived instances
         self._waiting: dict[tuple[str, int], float] = {}  # (stream, seq) -> first no-instance
 
     def watch(self, member: Member) -> None:
@@ -106,13 +108,14 @@ class Reaper:
         task = self._tasks.get(instance)
         if task is not None:
             log.info("%s reports again: reaping stops", instance)
-            task.cancel()
+            # Until it stops: a cancel its fetch swallowed would leave it taking the work of
+            # an instance that pulls its own again.
+            stopping = asyncio.create_task(cancel_all([task]))
+            self._stopping.add(stopping)
+            stopping.add_done_callback(self._stopping.discard)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all([*self._tasks.values(), *self._stopping])
 
     # --- the loop over one dead instance's consumer ----------------------------------------
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from mooncake.aio import cancel_all
 from mooncake.engine import Engine, KVPoolExhausted, PagedKV, Prefilled, compute
 from mooncake.hashing import DEFAULT_CACHE_NAMESPACE
 from mooncake.serving.kvstore import (
@@ -251,10 +252,8 @@ async def _compute_and_store(
         results = await put.commit()
     except BaseException:
         abandoned.set()  # a cancelled await leaves the thread running: stop it at a layer
-        for t in tasks:
-            t.cancel()
         with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
         await put.abort()
         raise
     finally:

@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 from pydantic import ValidationError
 
 from mooncake import metrics
+from mooncake.aio import cancel_all
 from mooncake.namespace import Namespace
 from mooncake.serving.streaming import InOrder, stored_batches
 from mooncake.work import ReadBackAnswer, ReadBackAsk, TokenBatch, WorkSubjects, owner_digest
@@ -104,9 +105,7 @@ class TokenReadBack:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(list(self._tasks))
 
     async def _on_ask(self, msg: Msg) -> None:
         # Subscription callbacks run one at a time: the read runs beside them.

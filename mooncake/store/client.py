@@ -542,7 +542,8 @@ class PutHandle:
 
         async def loop() -> None:
             deadline = time.monotonic() + for_at_most_s
-            while time.monotonic() < deadline:
+            # `_done` too: a cancel its request swallowed leaves it to end here.
+            while time.monotonic() < deadline and not self._done:
                 await asyncio.sleep(every_s)
                 try:
                     await self.renew()

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 
 from mooncake import events as ev
 from mooncake import metrics
+from mooncake.aio import cancel_all
 from mooncake.bus.publish import Publisher
 from mooncake.config import NamespaceQuota, StoreSettings
 from mooncake.store import master_state as ms
@@ -147,9 +148,7 @@ class StoreMaster:
             self._dispatch_handle.cancel()
             self._dispatch_due()
         await self._flush_journal()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(list(self._tasks))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
