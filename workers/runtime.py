@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import signal
 import socket
+import sys
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -43,6 +46,32 @@ def configure_logging(level: str) -> None:
     )
 
 
+def dump_stacks() -> None:
+    """Every thread's stack and every asyncio task's, to the log (SIGUSR1): what a worker
+    that stopped making progress is waiting on."""
+    sys.stderr.flush()
+    faulthandler.dump_traceback(all_threads=True)
+    for task in asyncio.all_tasks():
+        log.warning("task %s (%s):\n%s", task.get_name(), _state(task), "".join(_awaiting(task)))
+
+
+def _state(task: asyncio.Task[object]) -> str:
+    return "cancelling" if task.cancelling() else "pending"
+
+
+def _awaiting(task: asyncio.Task[object]) -> list[str]:
+    """The task's coroutine and each one it awaits, down to the innermost (`print_stack`
+    shows only the outermost of a suspended task)."""
+    lines: list[str] = []
+    coro: object = task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines += traceback.format_stack(frame, limit=1)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
+
+
 def default_instance_id(role: str) -> str:
     host = socket.gethostname().split(".")[0]
     return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in f"{role}-{host}")[:64]
@@ -58,6 +87,7 @@ async def worker_context(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, dump_stacks)
     instance = instance_id or default_instance_id(role)
     nc = await connect(settings, f"{role}:{instance}")
     js = nc.jetstream()
