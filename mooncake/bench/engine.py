@@ -59,15 +59,20 @@ machine lands on both sides of a pair rather than on one side's median.
   `float32_decode_tok_s_b1` and `decode_b1_over_float32`, and `logits_max_abs_diff` between
   the two over the prefill prompt.
 - `llamacpp_*` (only where `llama-cpp-python` is installed, the optional `anchors` extra):
-  llama.cpp on the same GGUF with as many threads as torch, in the same run, paired like the
-  rest: `llamacpp_prefill_tok_s` (the prefill prompt), `llamacpp_decode_tok_s_b1` (greedy
+  llama.cpp on the same GGUF with as many threads as torch, in the same run, in a child
+  process (`bench.child`: the engine's side is timed between two asks, so it pairs like the
+  rest): `llamacpp_prefill_tok_s` (the prefill prompt), `llamacpp_decode_tok_s_b1` (greedy
   decode after a 512-token prompt; the engine's side decodes after the same prompt), and
   `llamacpp_prefill_ratio`, `llamacpp_decode_ratio` (ours over theirs), and
   `b8_over_llamacpp_b1` (the engine's batch-8 tok/s over llama.cpp's batch 1).
+- `llamacpp`: `{"error": null}` where those fields are there, else why not: not installed,
+  the signal it died of (`"SIGILL"`), or `"no answer within 300 s"`; a dead or hung anchor
+  costs only its own fields.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 from collections.abc import Callable
 from typing import Any, Literal
@@ -75,6 +80,8 @@ from typing import Any, Literal
 import torch
 
 from mooncake import memory
+from mooncake.bench import llamacpp
+from mooncake.bench.child import CALL_TIMEOUT_S, AnchorFailed, Child
 from mooncake.engine import DecodeBatch, Engine, SamplingParams
 from mooncake.engine.dummy import SHAPES, dummy_model
 from mooncake.engine.errors import EngineError
@@ -100,67 +107,27 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [int(t) for t in block_tokens(seed, n, vocab, seed=1234)]
 
 
-def _load_llamacpp(threads: int, context: int) -> Any | None:
-    """llama.cpp on the same GGUF, or None where llama-cpp-python is not installed."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return llama_cpp.Llama(
-        model_path=str(smollm2_path()), n_ctx=context, n_batch=512, n_threads=threads,
-        n_threads_batch=threads, logits_all=False, verbose=False,
-    )  # fmt: skip
-
-
-def _llamacpp_prefill(llm: Any, prompt: list[int]) -> Callable[[], float]:
-    def once() -> float:
-        llm.reset()
-        return _timed(lambda: llm.eval(prompt))
-
-    return once
-
-
-def _llamacpp_decode(llm: Any, prompt: list[int], steps: int) -> Callable[[], float]:
-    """Seconds of `steps` greedy tokens (argmax of the last logits, then eval of it) after
-    `prompt` (its prefill outside the clock)."""
-    import numpy as np
-
-    def greedy() -> None:
-        for _ in range(steps):
-            # The last position's logits as llama.cpp left them (llama-cpp-python keeps
-            # `scores` only with logits_all).
-            last = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
-            llm.eval([int(np.argmax(last))])
-
-    def once() -> float:
-        llm.reset()
-        llm.eval(prompt)
-        return _timed(greedy)
-
-    return once
-
-
 def _bench_llamacpp(
     engine: Engine,
-    llm: Any,
+    prefill: Callable[[list[int]], float],
+    decode: Callable[[list[int], int], float],
     prefill_tokens: int,
     decode_tokens: int,
     b8_tok_s: float,
     reps: int,
     log: Log,
 ) -> dict[str, object]:
+    """The llama.cpp fields, `prefill` and `decode` timing its side (`llamacpp.Runner`)."""
     dev, vocab = torch.device("cpu"), engine.spec.vocab_size
     prompt = _prompt(prefill_tokens, vocab, 1)
     log(f"prefill of {prefill_tokens} tokens, engine and llama.cpp")
     _, t_theirs, pre_ratio = paired(
-        lambda: _timed(lambda: engine.prefill(prompt), dev), _llamacpp_prefill(llm, prompt), reps
+        lambda: _timed(lambda: engine.prefill(prompt), dev), lambda: prefill(prompt), reps
     )
     log(f"decode of {decode_tokens} tokens after {LLAMACPP_DECODE_PROMPT}, engine and llama.cpp")
     p = _prompt(LLAMACPP_DECODE_PROMPT, vocab, 4)
     d_ours, d_theirs, dec_ratio = paired(
-        _engine_decode(engine, [p], decode_tokens, dev),
-        _llamacpp_decode(llm, p, decode_tokens),
-        reps,
+        _engine_decode(engine, [p], decode_tokens, dev), lambda: decode(p, decode_tokens), reps
     )
     return {
         "llamacpp_prefill_tok_s": round(prefill_tokens / t_theirs, 1),
@@ -171,6 +138,32 @@ def _bench_llamacpp(
         "llamacpp_decode_ratio": round(dec_ratio, 3),
         "b8_over_llamacpp_b1": round(b8_tok_s * d_theirs / decode_tokens, 3),
     }
+
+
+def _llamacpp_fields(
+    engine: Engine, prefill_tokens: int, decode_tokens: int, b8_tok_s: float, reps: int,
+    log: Log, *, factory: Callable[..., Any] = llamacpp.runner,
+    args: tuple[Any, ...] | None = None, call_timeout_s: float = CALL_TIMEOUT_S,
+) -> dict[str, object]:  # fmt: skip
+    """The llama.cpp fields, timed in a child process (`bench.child`), and `llamacpp`:
+    {"error": null}, or why there are none (not installed, "SIGILL", a timeout): a crash
+    or a hang of the anchor costs its own fields only."""
+    if args is None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            log(f"{llamacpp.NOT_INSTALLED}: no llama.cpp fields")
+            return {"llamacpp": {"error": llamacpp.NOT_INSTALLED}}
+        args = (str(smollm2_path()), torch.get_num_threads(), engine.spec.context)
+    try:
+        with Child(factory, *args, call_timeout_s=call_timeout_s) as child:
+            fields = _bench_llamacpp(
+                engine, lambda p: child.call("prefill", p),
+                lambda p, n: child.call("decode", p, n),
+                prefill_tokens, decode_tokens, b8_tok_s, reps, log,
+            )  # fmt: skip
+    except AnchorFailed as exc:
+        log(f"llama.cpp gave no figures ({exc}); every other field stands")
+        return {"llamacpp": {"error": str(exc)}}
+    return fields | {"llamacpp": {"error": None}}
 
 
 def _bench_eager(
@@ -571,12 +564,8 @@ def run_engine_bench(
             "bandwidth_limit_tok_s_b1": round(limit, 1),
             "decode_b1_of_bandwidth_limit": round(b1 / limit, 3),
         }
-    cpu_gguf = dev.type == "cpu" and shape is None
-    llm = _load_llamacpp(torch.get_num_threads(), engine.spec.context) if cpu_gguf else None
-    if llm is None and cpu_gguf:
-        log("llama-cpp-python is not installed (pip install '.[anchors]'): no llama.cpp fields")
-    elif llm is not None:
+    if dev.type == "cpu" and shape is None:
         b8 = decode["decode_tok_s_b8"]
         assert isinstance(b8, float)
-        result |= _bench_llamacpp(engine, llm, prefill_tokens, decode_tokens, b8, reps, log)
+        result |= _llamacpp_fields(engine, prefill_tokens, decode_tokens, b8, reps, log)
     return result | {"torch": torch.__version__}
