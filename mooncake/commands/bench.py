@@ -219,6 +219,7 @@ def bench_engine(
     attention_p, gemm_p = precision(attention, "--attention"), precision(gemm, "--gemm")
     if shape is not None and shape not in SHAPES:
         raise typer.BadParameter(" | ".join(SHAPES), param_hint="--shape")
+    busy = _busy_at_start("bench engine")
     try:
         result = run_engine_bench(
             prefill_tokens=prefill_tokens,
@@ -236,7 +237,7 @@ def bench_engine(
     except EngineError as exc:
         err.print(f"[red]bench engine:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
-    print_result("bench engine", result, as_json)
+    print_result("bench engine", result | {"busy_at_start": busy}, as_json)
 
 
 @bench_app.command("memory")
@@ -306,6 +307,18 @@ def bench_memory(
         decode_ratio=None if skip_decode_ratio else DEFAULT_RATIO,
     )
     _run_stack_bench("memory", run_memory_bench(settings, opts, log=err.print), as_json)
+
+
+def _busy_at_start(name: str) -> list[str]:
+    """What else used the CPUs as a bench that needs them all started (`bench.quiet`),
+    said on stderr; one line per process for the result's `busy_at_start`."""
+    from rich.markup import escape
+
+    from mooncake.bench.quiet import warn_if_busy
+
+    found = warn_if_busy(name, lambda m: err.print(f"[yellow]{name}:[/yellow] {escape(m)}",
+                                                   soft_wrap=True, highlight=False))  # fmt: skip
+    return [f"pid {b.pid} {b.name} ({b.cpus:.2f} CPUs)" for b in found]
 
 
 def _run_stack_bench(name: str, run: Coroutine[Any, Any, dict[str, Any]], as_json: bool) -> None:
@@ -421,12 +434,13 @@ def bench_cpp(
         prompt_tokens, chunk_tokens, threads, groups, transport, balanced=not even_chunks,
         pin=not no_pin, reps=reps,
     )  # fmt: skip
+    busy = _busy_at_start("bench cpp")
     try:
         result = run_cpp_bench(settings, opts)
     except ValueError as exc:
         err.print(f"[red]bench cpp:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
-    print_result("bench cpp", result, as_json)
+    print_result("bench cpp", result | {"busy_at_start": busy}, as_json)
 
 
 @bench_app.command("vs-vllm")
@@ -481,4 +495,5 @@ def bench_vs_vllm(
                          work_dir=work_dir)  # fmt: skip
     if trace is not None:
         opts = dataclasses.replace(opts, trace=trace)
+    _busy_at_start("bench vs-vllm")
     _run_stack_bench("vs-vllm", run_vs_vllm_bench(opts, log=err.print), as_json)
