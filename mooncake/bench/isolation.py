@@ -168,6 +168,8 @@ async def _measure(
     if set(cached) != set(every):
         raise RuntimeError(f"the record lacks {sorted(set(every) - set(cached))[:5]}")
     result = figures(ids, ttft, cached)
+    # The headline ratio at the top level too, where scripts read it (null without a flood).
+    result["others_goodput_ratio"] = None if flood is None else flood["others_goodput_ratio"]
     if flood is not None:
         result["flood"] = flood
         result["checks"].update(flood["checks"])

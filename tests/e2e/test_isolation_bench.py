@@ -48,6 +48,7 @@ async def test_tenants_reuse_no_blocks_of_each_other_through_the_real_roles(
     assert out["same_tenant_cached_tokens"] >= 2 * 7 * 64, out  # every usable whole block
     assert out["shared_cached_tokens"] >= 2 * 7 * 64, out
     assert out["shared_first_cached_tokens"] == 0 and out["cold_cached_tokens"] == 0, out
+    assert out["others_goodput_ratio"] is None and "flood" not in out  # no flood was run
     # TTFT is the dummy model's and too small to order reliably here: the checks that use it
     # are `figures`' own (below) and the full command's.
     checks = dict(out["checks"])
