@@ -135,8 +135,8 @@ def compute_heap() -> Iterator[None]:
     With every block of 1 MiB or more mapped on its own, each of a prefill's temporaries
     (an MLP's activations, a dequantized weight) was a fresh mapping the OS faults in page by
     page and unmaps when freed: 1.2 million page faults in a 2,048-token SmolLM2 prefill,
-    a third of its time. Measured in the same process: 5.7-6.4 s -> 3.9-4.1 s (BENCHMARKS.md,
-    2026-11-28). Nested and concurrent uses share one window (a count); glibc only."""
+    a third of its time. Measured in the same process: 5.7-6.4 s -> 3.9-4.1 s
+    (2026-11-28). Nested and concurrent uses share one window (a count); glibc only."""
     global _computing
     lib = _libc()
     if lib is None or _window_off:

@@ -12,7 +12,7 @@ service time, but a TTFT is also the wait behind queued work predicted with olde
 contention of other workers on shared cores, and the bus; and every policy admits up to the
 SLO line itself, so a model right on average puts half of what it admits over the line.
 `bench memory` on this 2-core machine saw predictions 1.19 - 1.33x optimistic at p50, and
-goodput 0 in five of six runs, from that alone (BENCHMARKS.md).
+goodput 0 in five of six runs, from that alone (docs/history/benchmarks.md).
 
 When the cost model refits, what it would have predicted changes, so the error it would
 have made does too: `rescale` divides each kept sample's miss by how much the new model

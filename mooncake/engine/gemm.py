@@ -84,9 +84,9 @@ def bf16_gemms_fast() -> bool:
     bfloat16 instructions that oneDNN uses (AMX tiles, Sapphire Rapids and later Xeons, or
     AVX512_BF16 dot products, also Zen 4 and 5) and, measured, oneDNN's bfloat16 GEMM runs
     at least speed.FASTER times float32's (bf16_gemm_speedup): instructions alone are not
-    enough. On a 2-vCPU Xeon with AMX (BENCHMARKS.md, 2026-11-28), SmolLM2's shapes ran at
-    1.0-2.3 TFLOP/s in bfloat16 against 0.24-0.29 in float32; on one whose VM hides AMX but
-    has AVX512_BF16, at 0.11-0.15 against 0.20-0.26."""
+    enough. On a 2-vCPU Xeon with AMX (docs/history/benchmarks.md, 2026-11-28), SmolLM2's
+    shapes ran at 1.0-2.3 TFLOP/s in bfloat16 against 0.24-0.29 in float32; on one whose VM
+    hides AMX but has AVX512_BF16, at 0.11-0.15 against 0.20-0.26."""
     speed = bf16_gemm_speedup()
     return speed is not None and speed >= FASTER
 

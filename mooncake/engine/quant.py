@@ -24,9 +24,9 @@ oneDNN's GEMM (`gemm.dense`). Without a C compiler every product takes that seco
 The slices go into one buffer a process keeps (`Scratch`, 8 MiB), not a new tensor each:
 a new one was memory the OS mapped page by page after each prefill gave its heap back,
 written out to DRAM and read back by the GEMM; the kept one stays in the caches. Measured
-on a 2-vCPU Zen 5 EPYC, the two ways alternating in one process (BENCHMARKS.md, 2026-11-28):
-a 256-token prefill after 1,792 cached tokens ran 4 % faster (289 -> 272 ms, medians of 8),
-a cold 2,048-token one as fast.
+on a 2-vCPU Zen 5 EPYC, the two ways alternating in one process (docs/history/benchmarks.md,
+2026-11-28): a 256-token prefill after 1,792 cached tokens ran 4 % faster (289 -> 272 ms,
+medians of 8), a cold 2,048-token one as fast.
 
 In bfloat16 (`bf16`, Decoder.use_bf16_gemms, `EngineSettings.gemm`), the slices are
 dequantized to bfloat16 (the file's values rounded to the nearest even) into the same
