@@ -4,9 +4,10 @@ Every metric name a dashboard panel or an alert rule queries must be one that
 `mooncake.metrics` defines and the process registry serves (with the suffixes the exposition
 format adds: `_total` of counters, `_bucket`/`_sum`/`_count` of histograms, `_created`).
 A renamed or removed metric otherwise leaves a panel silently empty and an alert that can
-never fire. promtool is not available here, so PromQL is read by a small tokenizer that
+never fire. This check needs no Prometheus, so PromQL is read by a small tokenizer that
 knows PromQL's functions, aggregations and keywords and skips strings, label matchers,
-range selectors, grouping clauses and Grafana's `$variables`.
+range selectors, grouping clauses and Grafana's `$variables`; promtool and a real Prometheus
+scraping a running stack are tests/e2e/test_dashboards_live.py's.
 """
 
 from __future__ import annotations
