@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,19 @@ class FaultStack(Stack):
     def logs(self) -> dict[str, str]:
         logs = self.settings.data_dir / "logs"
         return {p.stem: p.read_text(errors="replace") for p in sorted(logs.glob("*.log"))}
+
+
+@contextlib.asynccontextmanager
+async def running(stack: FaultStack) -> AsyncIterator[FaultStack]:
+    """`stack` with its infrastructure and workers started; shut down after, and its data
+    directory removed."""
+    await asyncio.to_thread(stack.start_infrastructure)
+    stack.start_workers()
+    try:
+        yield stack
+    finally:
+        await asyncio.to_thread(stack.shutdown)
+        shutil.rmtree(stack.settings.data_dir, ignore_errors=True)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import yaml
-from _faults_harness import FaultStack, connect
+from _faults_harness import FaultStack, connect, running
 
 from mooncake import events as ev
 from mooncake.client import ask
@@ -151,14 +151,8 @@ async def stack() -> AsyncIterator[FaultStack]:
         database_url=None, namespace="mc", data_dir=path,
         engine=EngineSettings(model="dummy"), gateway=GatewaySettings(port=0),
     )  # fmt: skip
-    s = FaultStack(settings, metrics=True)
-    await asyncio.to_thread(s.start_infrastructure)
-    s.start_workers()
-    try:
+    async with running(FaultStack(settings, metrics=True)) as s:
         yield s
-    finally:
-        await asyncio.to_thread(s.shutdown)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_the_shipped_files_pass_promtool() -> None:

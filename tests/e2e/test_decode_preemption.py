@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from _faults_harness import (
     connect,
     record_vs_streams,
     recorder_caught_up,
+    running,
     until,
 )
 from sqlalchemy import text
@@ -102,14 +102,8 @@ async def stack(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FaultStack]:
     monkeypatch.setenv("MOONCAKE_ENGINE__DUMMY__CONTEXT", str(CONTEXT))
     # Outside /tmp/pytest-of-<user> (see test_faults.data_dir: Postgres must reach it).
     path = Path(tempfile.mkdtemp(prefix="mc-preempt-"))
-    s = FaultStack(settings_for(path))
-    await asyncio.to_thread(s.start_infrastructure)
-    s.start_workers()
-    try:
+    async with running(FaultStack(settings_for(path))) as s:
         yield s
-    finally:
-        await asyncio.to_thread(s.shutdown)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def prompt(i: int) -> list[int]:
