@@ -53,7 +53,7 @@ def _why(exc: BaseException) -> str:
 
 
 def exit_reason(code: int | None) -> str:
-    """How a child ended, in a field's words: "SIGILL", "exit code 3"."""
+    """How a child ended, in a field's words: "SIGILL", "exit 3" (every bench's)."""
     if code is None:
         return "its pipe closed while it ran"
     if code < 0:
@@ -61,7 +61,7 @@ def exit_reason(code: int | None) -> str:
             return signal.Signals(-code).name
         except ValueError:
             return f"signal {-code}"
-    return f"exit code {code}"
+    return f"exit {code}"
 
 
 class Child:

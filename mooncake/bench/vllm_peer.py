@@ -34,6 +34,8 @@ from typing import IO, Any
 
 import psutil
 
+from mooncake.bench.child import exit_reason
+
 ROOT = Path(__file__).resolve().parents[2]
 EXPORT_SCRIPT = Path(__file__).with_name("_vllm_export.py")
 MARKER = ".mooncake-export.json"
@@ -170,7 +172,7 @@ def export_model(python: Path, gguf: Path, out_dir: Path, timeout_s: float) -> P
             raise PeerError(f"cannot run {python}: {exc}") from exc
         if done.returncode != 0 or export_info(tmp) is None:
             raise PeerError(
-                f"exporting {gguf.name} for vLLM failed ({_exit(done.returncode)})",
+                f"exporting {gguf.name} for vLLM failed ({exit_reason(done.returncode)})",
                 _tail(done.stderr),
             )
         with contextlib.suppress(FileNotFoundError):
@@ -338,7 +340,9 @@ class VllmServer:
         while True:
             rc = self._proc.poll()
             if rc is not None:
-                raise PeerError(f"vLLM exited ({_exit(rc)}) before it was ready", self.log_tail())
+                raise PeerError(
+                    f"vLLM exited ({exit_reason(rc)}) before it was ready", self.log_tail()
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
                     if r.status == 200:
@@ -386,13 +390,6 @@ class VllmServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def _exit(rc: int) -> str:
-    if rc < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-rc).name}"
-    return f"exit {rc}"
 
 
 def peer_error(exc: BaseException) -> str:

@@ -48,7 +48,7 @@ def test_llamacpp_fields(engine: Engine) -> None:
 
 def test_an_anchor_that_dies_is_a_field_saying_how(engine: Engine) -> None:
     assert _fields(engine, dying, "sigill") == {"llamacpp": {"error": "SIGILL"}}
-    assert _fields(engine, dying, "exit") == {"llamacpp": {"error": "exit code 3"}}
+    assert _fields(engine, dying, "exit") == {"llamacpp": {"error": "exit 3"}}
 
 
 def test_an_anchor_that_hangs_is_killed_and_named(engine: Engine) -> None:
@@ -66,7 +66,7 @@ def test_an_anchor_that_cannot_start_says_why() -> None:
 
 def test_exit_reasons() -> None:
     assert exit_reason(-signal.SIGKILL) == "SIGKILL"
-    assert exit_reason(2) == "exit code 2"
+    assert exit_reason(2) == "exit 2"
     assert exit_reason(None) == "its pipe closed while it ran"
 
 
