@@ -48,9 +48,17 @@ def prefill_kernel(pool: KVPool, bf16: bool = False) -> native.PagedPrefill | No
     if not (NATIVE_PREFILL and pool.device.type == "cpu" and pool.dtype == torch.float32):
         return None
     dim, page = pool.shape.head_dim, pool.page_tokens
-    if bf16 and (bf16_attention_speedup(dim, page) or 0.0) >= FASTER:
+    if bf16 and native_bf16(dim, page) and (bf16_attention_speedup(dim, page) or 0.0) >= FASTER:
         return native.load_prefill(dim, page, bf16=True)
     return native.load_prefill(dim, page)
+
+
+def native_bf16(head_dim: int, page_tokens: int) -> bool:
+    """Whether the native prefill kernel's bfloat16 build multiplies in bfloat16 here (the
+    CPU has AVX512_BF16; elsewhere that build computes in float32, and calling it bfloat16
+    would misname what runs)."""
+    bf = native.load_prefill(head_dim, page_tokens, bf16=True)
+    return bf is not None and bf.bf16
 
 
 @functools.cache
@@ -63,7 +71,7 @@ def bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | None:
     0.60-0.70x on a Xeon whose VM exposes AVX512_BF16 without AMX (engine.speed)."""
     f32 = native.load_prefill(head_dim, page_tokens)
     bf = native.load_prefill(head_dim, page_tokens, bf16=True)
-    if f32 is None or bf is None or not bf.bf16:
+    if f32 is None or bf is None or not native_bf16(head_dim, page_tokens):
         return None
     start = 1792
     q, k, v, table, scale = _probe_inputs(head_dim, page_tokens, start, 256)
@@ -126,7 +134,9 @@ def prefill_attention_choice(pool: KVPool, bf16: bool) -> str:
         return "native float32"
     dim, page = pool.shape.head_dim, pool.page_tokens
     options = {
-        "native bfloat16": bf16_attention_speedup(dim, page) or 0.0,
+        "native bfloat16": (bf16_attention_speedup(dim, page) or 0.0)
+        if native_bf16(dim, page)
+        else 0.0,
         "torch bfloat16": torch_bf16_attention_speedup(dim, page) or 0.0,
     }
     best = max(options, key=lambda o: options[o])
