@@ -14,7 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mooncake.cpus import format_cpus, parse_cpus
@@ -34,6 +42,8 @@ def resolve_precision(value: Precision) -> Literal["float32", "bfloat16"]:
     return "float32" if value == "float32" else "bfloat16"
 
 
+# A message's subject and headers beside its payload, in what a pull request may deliver.
+PULL_HEADROOM_BYTES = 64 * 1024
 SUBJECT_PREFIX = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
 
 
@@ -73,6 +83,20 @@ class BusSettings(BaseModel):
     fetch_batch: Annotated[int, Field(ge=1, le=10_000)] = 256
     # Ingress limit for one submitted request, checked before parsing.
     max_event_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
+    # Bytes one pull request may deliver (JetStream's `max_bytes`); a consumer keeps at most
+    # two open, so it holds at most twice this delivered and not yet handled, however large
+    # its messages (bus.consume.window_bytes). Room for at least one largest event.
+    pull_max_bytes: Annotated[int, Field(ge=64 * 1024)] = 8 * 1024 * 1024
+
+    @model_validator(mode="after")
+    def _a_pull_holds_an_event(self) -> BusSettings:
+        if self.pull_max_bytes < self.max_event_bytes + PULL_HEADROOM_BYTES:
+            raise ValueError(
+                f"bus.pull_max_bytes ({self.pull_max_bytes}) must exceed bus.max_event_bytes "
+                f"({self.max_event_bytes}) by {PULL_HEADROOM_BYTES} (a message's subject "
+                "and headers), or an event of the largest size could never be delivered"
+            )
+        return self
 
 
 class NamespaceQuota(BaseModel):

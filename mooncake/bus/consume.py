@@ -43,6 +43,15 @@ from mooncake.telemetry import extract_context
 
 log = logging.getLogger(__name__)
 
+# Pull requests a consumer keeps open at once: one being delivered, one asked ahead.
+MAX_LIVE_REQUESTS = 2
+
+
+def window_bytes(bus: BusSettings) -> int:
+    """The most one consumer holds delivered and not yet handled (raw message bytes): what a
+    process's stated memory bound counts per pull consumer it runs."""
+    return MAX_LIVE_REQUESTS * bus.pull_max_bytes
+
 
 @dataclass(frozen=True, slots=True)
 class Ack:
@@ -199,6 +208,11 @@ class PullConsumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outstanding = 0
         self._last_request = 0.0
+        # When each pull request that may still deliver expires (oldest first): at most
+        # `MAX_LIVE_REQUESTS`, each of at most `bus.pull_max_bytes`, so what is delivered and
+        # not yet handled stays under `window_bytes(bus)` whatever the messages' sizes.
+        self._live: deque[float] = deque()
+        self._max_bytes = bus.pull_max_bytes
         self._inbox = ""
         self._sub: object | None = None
         self._publisher = Publisher(nc, js, ns)
@@ -250,13 +264,23 @@ class PullConsumer:
         await self._request(want)
 
     def _expire_requests(self) -> None:
-        if time.monotonic() - self._last_request > self._expires_s + 1.0:
+        now = time.monotonic()
+        if now - self._last_request > self._expires_s + 1.0:
             # Every request we made has expired (or was lost in a reconnect).
             self._outstanding = 0
+        live = self._live
+        while live and live[0] <= now:
+            live.popleft()
 
     async def _request(self, want: int) -> None:
         now = time.monotonic()
-        request = {"batch": want, "expires": int(self._expires_s * 1e9)}
+        if len(self._live) >= MAX_LIVE_REQUESTS:
+            return  # asked again once one of them ends (or expires)
+        request = {
+            "batch": want,
+            "expires": int(self._expires_s * 1e9),
+            "max_bytes": self._max_bytes,
+        }
         subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.spec.stream}.{self.spec.durable}"
         try:
             await self._nc.publish(subject, json.dumps(request).encode(), reply=self._inbox)
@@ -265,21 +289,33 @@ class PullConsumer:
             return
         self._outstanding += want
         self._last_request = now
+        self._live.append(now + self._expires_s + 1.0)
 
     def _split(self, msgs: list[Msg]) -> list[Delivery]:
         deliveries = []
         for m in msgs:
-            status = (m.headers or {}).get("Status")
+            headers = m.headers or {}
+            status = headers.get("Status")
             if status is None and m.reply:
                 self._outstanding -= 1
+                if self._outstanding == 0:
+                    self._live.clear()  # every message asked for came: no request is left
                 deliveries.append(Delivery(m))
-            elif status in ("404", "408"):
-                pending = (m.headers or {}).get("Nats-Pending-Messages")
-                self._outstanding -= int(pending) if pending else 0
-            elif status == "409":  # leadership change, consumer deleted, max waiting ...
-                log.info("pull request ended: %s", (m.headers or {}).get("Description"))
+                continue
+            if status not in ("404", "408", "409"):
+                continue  # "100" is an idle heartbeat / flow control: nothing to do
+            if self._live:
+                self._live.popleft()  # one request ended
+            pending = headers.get("Nats-Pending-Messages")
+            if pending:
+                self._outstanding -= int(pending)
+            elif status == "409":
+                # Max bytes reached (its pending count not given by this server), or a
+                # leadership change, a deleted consumer, max waiting ...
+                description = headers.get("Description", "")
+                if "MaxBytes" not in description:
+                    log.info("pull request ended: %s", description)
                 self._outstanding = 0
-            # "100" is an idle heartbeat / flow control: nothing to do.
         self._outstanding = max(self._outstanding, 0)
         return deliveries
 

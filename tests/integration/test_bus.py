@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Sequence
 
 import nats
 import pytest
@@ -19,6 +20,7 @@ from mooncake.bus.consume import (
     PullConsumer,
     Retry,
     per_message,
+    window_bytes,
 )
 from mooncake.bus.heartbeat import keep_alive
 from mooncake.bus.publish import Publisher
@@ -263,6 +265,80 @@ async def test_without_prefetch_a_long_handler_gets_each_message_once(
         stop.set()
         await asyncio.wait_for(task, 10)
         await nc.close()
+
+
+def _held_bytes(consumer: PullConsumer, handed: int = 0) -> int:
+    """What a consumer holds delivered and not yet handled: its queue and `handed` more."""
+    return handed + sum(len(m.data) for m in consumer._queue)
+
+
+@pytest.mark.parametrize("loop", ["run", "feed"])
+async def test_a_consumer_holds_no_more_than_its_byte_window(settings: Settings, loop: str) -> None:
+    """Large messages under a slow handler: each pull request asks for at most
+    `pull_max_bytes`, at most two are open, so what waits unhandled stays within
+    `window_bytes` (before: a window of 2 x 256 messages, however large each was); and every
+    message still comes exactly once. (With `feed`, what the caller accepted is the caller's
+    to bound, by the room it gives.)"""
+    ns = ev.Namespace(settings.namespace)
+    bus = BusSettings(max_event_bytes=300_000, pull_max_bytes=400_000)
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js, settings)
+    count, seen, most = 24, Counter[str](), 0
+    done = asyncio.Event()
+    spec = ConsumerSpec("MC_REQ", f"bytes-{loop}", "mc.req.submitted")
+    consumer = PullConsumer(nc, js, spec, bus, ns)
+
+    def saw(d: Delivery, handed: int) -> None:
+        nonlocal most
+        most = max(most, _held_bytes(consumer, handed))
+        e = ev.parse_event(d.data)
+        assert isinstance(e, ev.RequestSubmitted)
+        seen[e.request_id] += 1
+        if len(seen) == count:
+            done.set()
+
+    async def handler(batch: Sequence[Delivery]) -> list[Outcome]:
+        handed = sum(len(d.data) for d in batch)
+        for d in batch:
+            saw(d, handed)
+        await asyncio.sleep(0.2)  # a slow handler: the server has more for us meanwhile
+        return [ACK for _ in batch]
+
+    held: list[Delivery] = []
+
+    def accept(d: Delivery) -> None:
+        held.append(d)  # the caller's (bounded by its room), no longer the consumer's
+        saw(d, len(d.data))
+
+    async def settler() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+            for d in held[:]:
+                held.remove(d)
+                await consumer.settle(d, ACK)
+
+    stop = asyncio.Event()
+    if loop == "run":
+        tasks = [asyncio.create_task(consumer.run(handler, stop))]
+    else:
+        tasks = [
+            asyncio.create_task(consumer.feed(accept, lambda: 64, stop)),
+            asyncio.create_task(settler()),
+        ]
+    try:
+        pub = Publisher(nc, js, ns)
+        for i in range(count):
+            prompt = f"{i:03d}" + "x" * 150_000  # about 150 kB a message
+            await pub.publish(ev.RequestSubmitted(request_id=f"big-{i}", prompt=prompt))
+        await asyncio.wait_for(done.wait(), 60)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        await nc.close()
+    assert set(seen) == {f"big-{i}" for i in range(count)}
+    assert max(seen.values()) == 1
+    assert 150_000 < most <= window_bytes(bus)
 
 
 async def test_closing_on_purpose_is_not_logged_as_a_disconnect(
