@@ -324,6 +324,24 @@ class GatewaySettings(BaseModel):
     # `Retry-After` and code `client_rate_limited`. A rate of 0 turns it off.
     client_rate_per_s: Annotated[float, Field(ge=0)] = 10.0
     client_burst: Annotated[int, Field(ge=1)] = 20
+    # Completion requests (streamed or whole) served at once; past it a request is refused
+    # at once, before its body is read, with 503 `gateway_overloaded` and `Retry-After`.
+    # What keeps the gateway's memory bounded (`mooncake.gateway.inflight.memory_parts`).
+    max_inflight: Annotated[int, Field(ge=1)] = 512
+    # And the bytes of their bodies at once (Content-Length; a body without one counts as
+    # max_body_bytes), refused the same way: bodies are the part of a request's memory that
+    # scales with its size (about 28 bytes held per byte of prompt text, gateway/inflight.py).
+    max_inflight_body_bytes: Annotated[int, Field(ge=1024)] = 32 * 1024 * 1024
+
+    @model_validator(mode="after")
+    def _a_body_fits(self) -> GatewaySettings:
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"gateway.max_inflight_body_bytes ({self.max_inflight_body_bytes}) is below "
+                f"gateway.max_body_bytes ({self.max_body_bytes}): a largest body could never "
+                "be served"
+            )
+        return self
 
 
 class Settings(BaseSettings):

@@ -271,6 +271,15 @@ GATEWAY_REQUEST_SECONDS = Histogram(
 GATEWAY_IN_FLIGHT = Gauge(
     "mc_gateway_requests_in_flight", "HTTP requests the gateway is answering now", ["route"]
 )
+# The gateway's memory bound (gateway.max_inflight): completion requests, streamed or whole,
+# holding a slot now, and the limit; past it a request is refused with 503 gateway_overloaded.
+GATEWAY_COMPLETIONS_IN_FLIGHT = Gauge(
+    "mc_gateway_completions_in_flight",
+    "Completion requests the gateway is serving now (each holds one of gateway.max_inflight)",
+)
+GATEWAY_MAX_INFLIGHT = Gauge(
+    "mc_gateway_max_inflight", "Completion requests the gateway serves at once at most"
+)
 
 
 OTHER_TENANTS = "_other"  # every tenant past the cap, together

@@ -1,14 +1,16 @@
 """The gateway's ASGI app: OpenAI's completions, chat completions and models endpoints over
 the pipeline, plus `/health` and `/metrics`.
 
-One request's life (`Call`): the client's own limit first (a token bucket per API key or
-remote address: 429 `client_rate_limited` with `Retry-After`), validate the body once (400
-with the field named, 404 for a model this server does not serve), turn it into a submission
-(translate.py), publish it and wait for the Conductor's decision. A rejection is answered
-before any stream starts, so a client sees 429 + `Retry-After` (or 400 when the request
-itself was invalid) rather than a broken stream. Admitted: either the whole answer as one
-JSON body, or server-sent events as tokens arrive, then `data: [DONE]`. A request the client
-stops listening to (a stream's disconnect) or that outlives the timeout is cancelled in the
+One request's life (`Call`): the gateway's own bound on requests in flight first
+(inflight.py: 503 `gateway_overloaded` with `Retry-After`, before the body is read), then
+the client's own limit (a token bucket per API key or remote address: 429
+`client_rate_limited` with `Retry-After`), validate the body once (400 with the field named,
+404 for a model this server does not serve), turn it into a submission (translate.py),
+publish it and wait for the Conductor's decision. A rejection is answered before any stream
+starts, so a client sees 429 + `Retry-After` (or 400 when the request itself was invalid)
+rather than a broken stream. Admitted: either the whole answer as one JSON body, or
+server-sent events as tokens arrive, then `data: [DONE]`. A request the client stops
+listening to (a stream's disconnect) or that outlives the timeout is cancelled in the
 pipeline (`mc.req.cancel`).
 """
 
@@ -43,6 +45,7 @@ from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.gateway import errors
 from mooncake.gateway import translate as tr
 from mooncake.gateway.backend import Backend
+from mooncake.gateway.inflight import InflightLimit
 from mooncake.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,6 +77,9 @@ class GatewayOptions:
     # Per-client token bucket on the completion routes (0: off); see `client_of`.
     client_rate_per_s: float = 10.0
     client_burst: int = 20
+    # Completion requests served at once (inflight.py); past it, 503 gateway_overloaded.
+    max_inflight: int = 512
+    max_inflight_body_bytes: int | None = None  # the bodies' bytes in flight (None: no limit)
 
     @classmethod
     def from_settings(cls, s: Settings) -> GatewayOptions:
@@ -81,6 +87,7 @@ class GatewayOptions:
         return cls(
             s.model_id, g.retry_after_s, g.request_timeout_s, g.max_body_bytes,
             client_rate_per_s=g.client_rate_per_s, client_burst=g.client_burst,
+            max_inflight=g.max_inflight, max_inflight_body_bytes=g.max_inflight_body_bytes,
         )  # fmt: skip
 
 
@@ -376,14 +383,10 @@ class Gateway:
         client = client_of(request)
         wait = self.limits.take(client, self.clock())
         if wait > 0:
-            after = retry_after_s(wait)
-            raise errors.ApiError(
-                429,
-                f"too many requests from this client; retry after {after} s",
-                errors.OVERLOADED,
-                code="client_rate_limited",
-                headers={"Retry-After": str(after)},
-            )
+            raise errors.retry_later(
+                429, "too many requests from this client", errors.OVERLOADED,
+                "client_rate_limited", retry_after_s(wait),
+            )  # fmt: skip
         return client
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
@@ -539,6 +542,11 @@ def create_app(
     gw = Gateway(backend, options, tokenizer)
     app = FastAPI(title="mooncake gateway", summary="OpenAI-compatible API over mooncake")
     app.state.gateway = gw
+    # Inside HttpMetrics, so its refusals are counted with the rest (by route and status).
+    app.add_middleware(
+        InflightLimit, limit=options.max_inflight, retry_after_s=options.retry_after_s,
+        body_limit=options.max_inflight_body_bytes, max_body_bytes=options.max_body_bytes,
+    )  # fmt: skip
     app.add_middleware(HttpMetrics)
 
     @app.exception_handler(errors.ApiError)

@@ -85,10 +85,33 @@ def rejected(decision: Mapping[str, Any], retry_after_s: int) -> ApiError:
         return bad_request(f"invalid request: {detail or reason}", code=reason, param=param)
     message = f"the request was rejected ({reason}"
     message += f": {detail})" if detail else ")"
-    message += f"; retry after {retry_after_s} s"
+    return retry_later(429, message, OVERLOADED, reason, retry_after_s)
+
+
+def retry_later(status: int, message: str, type_: str, code: str, retry_after_s: int) -> ApiError:
+    """A refusal the client should retry: `Retry-After` and the message saying when (the one
+    shape of every 429 and of the gateway's own 503 `gateway_overloaded`)."""
     return ApiError(
-        429, message, OVERLOADED, code=reason, headers={"Retry-After": str(retry_after_s)}
+        status, f"{message}; retry after {retry_after_s} s", type_, code=code,
+        headers={"Retry-After": str(retry_after_s)},
+    )  # fmt: skip
+
+
+def gateway_overloaded(limit: int, retry_after_s: int, body_limit: int | None = None) -> ApiError:
+    """This gateway already serves `limit` completion requests (or, with `body_limit`, this
+    body would take the bodies in flight past it): refused before its body was read, so
+    nothing of it reached the pipeline."""
+    held = (
+        f"its limit of {limit} requests at once (gateway.max_inflight)"
+        if body_limit is None
+        else f"its limit of {body_limit} bytes of request bodies at once "
+        "(gateway.max_inflight_body_bytes)"
     )
+    return retry_later(
+        503,
+        f"the gateway is serving {held}; this request was not accepted (nothing was submitted)",
+        UNAVAILABLE, "gateway_overloaded", retry_after_s,
+    )  # fmt: skip
 
 
 def ended_badly(finish_reason: str | None, error: str | None) -> ApiError:
