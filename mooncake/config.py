@@ -137,6 +137,11 @@ class StoreSettings(BaseModel):
     heartbeat_s: Annotated[float, Field(gt=0)] = 1.0
     node_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    # The master's memory bound (`store.master.memory_parts`): the most objects it keeps in
+    # its table (a put past it evicts the LRU ones, or is refused with no_space), and the
+    # most journal events it keeps while JetStream does not take them (the oldest go).
+    max_objects: Annotated[int, Field(ge=1)] = 1_000_000
+    journal_max: Annotated[int, Field(ge=1)] = 100_000
     # Per cache namespace (MOONCAKE_STORE__NAMESPACE_QUOTAS='{"tenant:team-a":
     # {"dram_bytes": "1GiB", "ssd_bytes": "8GiB"}}');
     # `default_namespace_quota` caps each namespace not named (None: unlimited).

@@ -19,7 +19,7 @@ async def main(settings: Settings, instance_id: str | None = None) -> None:
         labels = metrics.TenantLabels(settings.store.namespace_quotas, settings.metrics_tenants)
         master = StoreMaster(
             ctx.nc, ctx.ns, new_state(settings.store), publisher=ctx.publisher,
-            namespace_labels=labels,
+            namespace_labels=labels, journal_max=settings.store.journal_max,
         )  # fmt: skip
         await master.start()
         try:

@@ -2,7 +2,8 @@
 
 The state is authoritative in memory; every change leaves the process three ways:
 - the journal: `kv.object.stored` / `kv.object.removed` events on JetStream (batched, off the
-  reply path), folded into the `kv_objects` projection by the recorder;
+  reply path), folded into the `kv_objects` projection by the recorder; at most `journal_max`
+  wait for JetStream, the oldest dropped past it (`JOURNAL_LOSS`: what the record loses);
 - node notifications (`NodeChanges`, per-node sequence numbers) so each node knows what its
   segments hold: it reports that on re-mount after a master restart, and publishes it as KV
   index events;
@@ -23,7 +24,7 @@ import logging
 import random
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,6 +55,7 @@ def master_config(s: StoreSettings) -> ms.MasterConfig:
         evict_fraction=s.evict_fraction,
         put_timeout_s=s.put_timeout_s,
         node_timeout_s=s.node_timeout_s,
+        max_objects=s.max_objects,
         quotas={ns: _quota(q) for ns, q in s.namespace_quotas.items()},
         default_quota=None if default is None else _quota(default),
     )
@@ -91,6 +93,7 @@ class StoreMaster:
         move_timeout_s: float = 10.0,
         dispatch_delay_s: float = 0.002,
         namespace_labels: metrics.TenantLabels | None = None,
+        journal_max: int = 100_000,
     ) -> None:
         self.nc, self.state, self.publisher = nc, state, publisher
         self.namespace_labels = namespace_labels or metrics.TenantLabels(
@@ -103,8 +106,14 @@ class StoreMaster:
         self._dispatch_handle: asyncio.TimerHandle | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._node_seq: dict[str, int] = defaultdict(int)
-        self._journal: list[ev.Event] = []
+        # Per mounted node: the seq of its last NodeChanges (pruned when the node is lost).
+        self._node_seq: dict[str, int] = {}
+        # Events JetStream has not taken yet, at most `journal_max` (`_journal_add`).
+        self._journal: deque[ev.Event] = deque()
+        self.journal_max = journal_max
+        self._journal_dropped = 0  # ever (the flush counts what left the head meanwhile)
+        self._outage_dropped = 0  # since the journal last emptied
+        self._flush_lock = asyncio.Lock()
         # Journal event ids: a random prefix per master process, then a counter (unique, and
         # cheaper than a uuid4 per event, which reads the OS's random source each time).
         self._id_prefix = f"sm-{uuid.uuid4().hex[:20]}-"
@@ -148,6 +157,13 @@ class StoreMaster:
             self._dispatch_handle.cancel()
             self._dispatch_due()
         await self._flush_journal()
+        if self._outage_dropped:
+            log.warning(
+                "stopping with %d journal event(s) unpublished and %d dropped (%s)",
+                len(self._journal),
+                self._outage_dropped,
+                JOURNAL_LOSS,
+            )
         await cancel_all(list(self._tasks))
 
     def _spawn(self, coro: Any) -> None:
@@ -325,7 +341,7 @@ class StoreMaster:
             )
             for k, r, pin, owner in self.state.node_objects(req.node_id)
         ]
-        return p.NodeObjects(seq=self._node_seq[req.node_id], objects=held)
+        return p.NodeObjects(seq=self._node_seq.get(req.node_id, 0), objects=held)
 
     # --- changes: journal, node notifications, moves ------------------------------------
 
@@ -359,7 +375,7 @@ class StoreMaster:
         for c in changes:
             match c:
                 case ms.ObjectStored(key=key, size=size, replicas=reps, pin=pin):
-                    self._journal.append(
+                    self._journal_add(
                         ev.KvObjectStored(
                             event_id=self._next_event_id(),
                             occurred_at=now,
@@ -373,7 +389,7 @@ class StoreMaster:
                         per_node[node].append(self._node_view(key, node))
                 case ms.ObjectRemoved(key=key, reason=reason, nodes=nodes):
                     metrics.STORE_EVICTIONS.labels(reason).inc()
-                    self._journal.append(
+                    self._journal_add(
                         ev.KvObjectRemoved(
                             event_id=self._next_event_id(), occurred_at=now, key=key, reason=reason
                         )
@@ -385,11 +401,35 @@ class StoreMaster:
                 case ms.Move():
                     self._spawn(self._move(c))
         for node, updates in per_node.items():
-            self._node_seq[node] += 1
-            msg = p.NodeChanges(seq=self._node_seq[node], updates=updates)
+            seq = self._node_seq[node] = self._node_seq.get(node, 0) + 1
+            msg = p.NodeChanges(seq=seq, updates=updates)
             self._spawn(self._notify(self.subjects.node(node, "changes"), msg))
         if self._journal:
             self._journal_ready.set()
+
+    def _prune_node_seq(self) -> None:
+        """Forget the change sequence of nodes the state lost (expired): a node that comes
+        back mounts again, which restarts it (`_mount`)."""
+        known = set(self.state.nodes())
+        for node in [n for n in self._node_seq if n not in known]:
+            del self._node_seq[node]
+
+    def _journal_add(self, event: ev.Event) -> None:
+        """Queue a journal event; the journal full (JetStream not taking events: an outage,
+        or slower than the master), the oldest goes. What that costs the record, and what
+        mends it, is said in `JOURNAL_LOSS`."""
+        if len(self._journal) >= self.journal_max:
+            self._journal.popleft()
+            self._journal_dropped += 1
+            if not self._outage_dropped:
+                log.warning(
+                    "journal full (store.journal_max=%d events not yet taken by JetStream): "
+                    "dropping the oldest; %s",
+                    self.journal_max,
+                    JOURNAL_LOSS,
+                )
+            self._outage_dropped += 1
+        self._journal.append(event)
 
     async def _notify(self, subject: str, msg: BaseModel) -> None:
         with contextlib.suppress(Exception):
@@ -420,11 +460,15 @@ class StoreMaster:
         while True:
             await asyncio.sleep(self.tick_s)
             try:
-                self.state.tick(self.clock())
-                self._dispatch_changes()
-                self._export_usage()
+                self._tick()
             except Exception:
                 log.exception("store master tick failed")
+
+    def _tick(self) -> None:
+        self.state.tick(self.clock())
+        self._dispatch_changes()  # a lost node's last changes, before its seq goes
+        self._prune_node_seq()
+        self._export_usage()
 
     def _export_usage(self) -> None:
         for tier, u in self.state.usage().items():
@@ -447,20 +491,33 @@ class StoreMaster:
         yielding between them: a request that arrives meanwhile is answered before the rest
         of the journal is serialised (the journal is off the reply path; it must not delay
         the next reply either). 64 per chunk measured cheaper than 16 for the master and the
-        broker (probe A/B: master CPU 8.8 -> 7.8 ms per 192 object ops)."""
-        if self.publisher is None or not self._journal:
+        broker (probe A/B: master CPU 8.8 -> 7.8 ms per 192 object ops).
+
+        A chunk leaves the journal once published, so what is queued is all the master
+        keeps, within `journal_max` (the events dropped meanwhile left from its head: they
+        were the chunk's first)."""
+        if self.publisher is None:
             return
-        batch, self._journal = self._journal, []
-        sent = 0
-        try:
-            while sent < len(batch):
-                await asyncio.sleep(0)
-                chunk = batch[sent : sent + JOURNAL_CHUNK]
-                await self.publisher.publish_many_barrier(chunk)
-                sent += len(chunk)
-        except Exception:
-            log.exception("journal publish of %d event(s) failed; kept for retry", len(batch))
-            self._journal = batch[sent:] + self._journal
+        async with self._flush_lock:  # `stop` flushes too: one flusher pops the head
+            journal = self._journal
+            try:
+                while journal:
+                    await asyncio.sleep(0)
+                    chunk = list(itertools.islice(journal, JOURNAL_CHUNK))
+                    dropped = self._journal_dropped
+                    await self.publisher.publish_many_barrier(chunk)
+                    for _ in range(len(chunk) - (self._journal_dropped - dropped)):
+                        journal.popleft()
+            except Exception:
+                log.exception("journal publish failed; %d event(s) kept for retry", len(journal))
+                return
+            if self._outage_dropped:
+                log.warning(
+                    "journal published again; %d event(s) were dropped meanwhile (%s)",
+                    self._outage_dropped,
+                    JOURNAL_LOSS,
+                )
+                self._outage_dropped = 0
 
     async def _journal_loop(self) -> None:
         while True:
@@ -473,6 +530,47 @@ class StoreMaster:
 
 
 JOURNAL_CHUNK = 64
+
+# What a dropped journal event costs, and what mends it. The journal feeds only the record
+# (`kv_objects`, through the recorder); the master's table, the nodes' maps and the
+# Conductor's KV index (nodes' KV events, resynced by snapshot) never read it.
+JOURNAL_LOSS = (
+    "kv_objects misses them: an object whose stored event was dropped gets its row at its "
+    "next change (or when a restarted master adopts it again), a removed one keeps a stale "
+    "row until its key is stored again; `mooncake db rebuild` cannot mend it (it replays "
+    "the events table, which never got them)"
+)
+
+# Bytes of master memory per entry, measured with tracemalloc (CPython 3.11, 64-bit; traced
+# bytes over the empty master's, divided by the entries held). Objects: puts through the real
+# handlers (`_put_start` / `_put_end` from JSON: 32-hex-char block keys, a named owner, sizes
+# 64 B to 1 MiB), the table filled to `max_objects` (2e4 and 1e5) and churned by 3x as many
+# puts again (each evicting the LRU object for the count limit) with leased reads between
+# them: 1066-1189 B steady, 1123-1217 B at the peak; a pool fragmented to a hole next to
+# every object (each free range ~250 B more; dicts sized for twice the objects): 1375-1419 B.
+# Stated: the worst, rounded up for dict growth steps. A replica more (`replicas=2`, the same
+# runs): +475-490 B steady, +800 B fragmented. A journal entry: a `KvObjectStored` built as
+# `_dispatch_changes` builds it, its key and timestamp its own (an event may outlive its
+# object; a dispatch of one change): 1839 B with one replica at 1e5 entries (1899 B at 2e3),
+# 2327 B with two. Keys longer than block keys add their length.
+# `test_master_bounds` re-measures a small table and journal against these figures.
+MASTER_BYTES_PER_OBJECT = 1600
+MASTER_BYTES_PER_EXTRA_REPLICA = 800
+MASTER_BYTES_PER_JOURNAL_ENTRY = 2000
+MASTER_BYTES_PER_JOURNAL_REPLICA = 500  # each replica past the first
+
+
+def memory_parts(settings: StoreSettings) -> dict[str, int]:
+    """The most bytes the master's bounded tables take, by part: the object table at
+    `max_objects` and the journal at `journal_max`, every object with the default replica
+    count (`replicas`; a put may ask for more)."""
+    more = settings.replicas - 1
+    per_object = MASTER_BYTES_PER_OBJECT + more * MASTER_BYTES_PER_EXTRA_REPLICA
+    per_entry = MASTER_BYTES_PER_JOURNAL_ENTRY + more * MASTER_BYTES_PER_JOURNAL_REPLICA
+    return {
+        "objects": settings.max_objects * per_object,
+        "journal": settings.journal_max * per_entry,
+    }
 
 
 def replica_json(r: Replica) -> dict[str, Any]:

@@ -115,6 +115,8 @@ def _adopt(b: Book, rep: ReportedObject, now: float) -> _Obj | None:
             return obj
         if not obj.complete or same or obj.size != rep.size:
             return None
+    if obj is None and len(b.objects) >= b.config.max_objects:
+        return None  # the table is full: rejected (the node forgets it at its resync)
     if not rep.key or rep.size <= 0 or not seg.alloc.reserve(rep.offset, rep.size):
         return None
     if obj is None:

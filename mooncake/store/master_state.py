@@ -29,6 +29,11 @@ Semantics (Mooncake Store, PAPER.md §2), with the choices made here:
   skipped, and an offload becomes a drop. Other owners' objects are never evicted for a
   quota; the watermark and the room for an allocation are pool-wide, as without quotas.
   Restore adopts what a node reports whatever the quotas (the bytes are there already).
+- Object count: the table holds at most `MasterConfig.max_objects` objects, pending puts
+  included (the master's memory is bounded by it, not by the pool's bytes). A put that would
+  exceed it first evicts the least recently used objects whole, by the rules above (no
+  offload: an SSD copy stays in the table), and is refused with `NO_SPACE` when none can go.
+  Restore rejects a reported object that would exceed it (the node drops it on its resync).
 - One move per object at a time. A move whose object is removed meanwhile is "orphaned": its
   destination range stays allocated until the node reports back (or the move times out), so a
   late copy can never land in a range handed to someone else.
@@ -172,6 +177,9 @@ class MasterState:
         if len(big) < replicas:
             return Refusal(Reason.NO_SPACE, f"{size} bytes fit in {len(big)} segment(s)")
         room = master_tiers.quota_room(self._book, owner, Tier.DRAM, need * replicas, now)
+        if isinstance(room, Refusal):
+            return room
+        room = master_tiers.count_room(self._book, now)
         if isinstance(room, Refusal):
             return room
         chosen = self._choose(big, need, replicas, preferred_segment, placement)

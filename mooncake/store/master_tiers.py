@@ -7,14 +7,17 @@ an SSD hit is promoted back, and what a finished or failed move does to the obje
 replicas. Every table update goes through the `Book`'s primitives.
 
 One eviction path, scoped by the LRU it gathers from: a tier's (the watermark), a segment's
-(room for an allocation there), an owner's in a tier (its quota: only its own objects).
+(room for an allocation there), an owner's in a tier (its quota: only its own objects), both
+tiers' (room in the object table: `max_objects`).
 
 PURE, like the rest of the master state; semantics: `master_state`'s module docstring.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from itertools import chain, islice
 
 from mooncake.store.master_book import Book
 from mooncake.store.master_records import _Lru, _Obj, _Segment
@@ -22,6 +25,7 @@ from mooncake.store.master_types import OK, DropReason, Ok, Refusal, ReplicaDrop
 from mooncake.store.types import Reason, Replica, ReplicaState, Tier
 
 __all__ = [
+    "count_room",
     "evict_over_watermark",
     "fail_move",
     "make_room",
@@ -57,6 +61,37 @@ def evict_over_watermark(b: Book, now: float) -> None:
         return
     target = (b.config.high_watermark - b.config.evict_fraction) * cap
     _evict(b, _gather(b, b.tier_lru[Tier.DRAM], used - pending - target, now, Tier.DRAM), now)
+
+
+def count_room(b: Book, now: float) -> Ok | Refusal:
+    """Room in the object table for one more object (`MasterConfig.max_objects`): the least
+    recently used evictable objects go, whole (an offload to SSD would keep them in the
+    table), unpinned ones of both tiers before any soft-pinned one, SSD before DRAM (an SSD
+    object was already evicted from DRAM once). NO_SPACE when the table is full of objects
+    that cannot go (leased, pinned, pending or moving)."""
+    over = len(b.objects) + 1 - b.config.max_objects
+    if over <= 0:
+        return OK
+    ssd, dram = b.tier_lru[Tier.SSD], b.tier_lru[Tier.DRAM]
+    keys = _once(chain(ssd.none, dram.none, ssd.soft, dram.soft))
+    _evict(b, list(islice(_evictable(b, keys, now), over)), now, None)
+    if len(b.objects) < b.config.max_objects:
+        return OK
+    return Refusal(
+        Reason.NO_SPACE,
+        f"object count limit reached: {len(b.objects)} objects held (max_objects="
+        f"{b.config.max_objects}) and none left to evict (leased, pinned, pending or moving)",
+    )
+
+
+def _once(keys: Iterable[str]) -> Iterator[str]:
+    """`keys` without repeats (an object adopted with replicas in both tiers is in both
+    tiers' LRUs)."""
+    seen: set[str] = set()
+    for key in keys:
+        if key not in seen:
+            seen.add(key)
+            yield key
 
 
 def quota_room(
@@ -118,17 +153,26 @@ def _evict_segment(
         _evict(b, victims, now, seg.info.tier)
 
 
+def _evictable(
+    b: Book, keys: Iterable[str], now: float, exclude: str | None = None
+) -> Iterator[_Obj]:
+    """The objects of `keys` (LRU order) that may be evicted: not leased, not moving, not
+    `exclude`."""
+    for key in keys:
+        obj = b.objects[key]
+        if obj.lease_until > now or obj.move is not None or key == exclude:
+            continue
+        yield obj
+
+
 def _gather(
     b: Book, lru: _Lru, nbytes: float, now: float, tier: Tier | None, exclude: str | None = None
 ) -> list[_Obj]:
     """Evictable objects, oldest first, until they hold `nbytes` (in `tier`; one replica
-    each when `tier` is None): not leased, not moving, not `exclude`."""
+    each when `tier` is None)."""
     out: list[_Obj] = []
     got = 0
-    for key in lru.candidates():
-        obj = b.objects[key]
-        if obj.lease_until > now or obj.move is not None or key == exclude:
-            continue
+    for obj in _evictable(b, lru.candidates(), now, exclude):
         out.append(obj)
         unit = b.aligned(obj.size)
         got += unit if tier is None else unit * sum(r.tier is tier for r in obj.replicas)
@@ -137,16 +181,18 @@ def _gather(
     return out
 
 
-def _evict(b: Book, victims: list[_Obj], now: float, tier: Tier = Tier.DRAM) -> None:
+def _evict(b: Book, victims: list[_Obj], now: float, tier: Tier | None = Tier.DRAM) -> None:
     """Evict `victims` (from `_gather`) from `tier`, skipping any that an earlier eviction
-    of the batch removed or started moving: from DRAM by `_evict_dram`; from SSD, dropped."""
+    of the batch removed or started moving: from DRAM by `_evict_dram`; from SSD, dropped;
+    from everywhere (`tier` None: the object goes, no offload), every replica dropped."""
     for obj in victims:
         if b.objects.get(obj.key) is not obj or obj.move is not None:
             continue
         if tier is Tier.DRAM:
             _evict_dram(b, obj, now)
         else:
-            b.drop_replicas(obj, [r for r in obj.replicas if r.tier is tier], "evicted", now)
+            drop = [r for r in obj.replicas if tier is None or r.tier is tier]
+            b.drop_replicas(obj, drop, "evicted", now)
             b.stats["evicted"] += 1
 
 

@@ -62,6 +62,9 @@ class MasterConfig:
     put_timeout_s: float = 30.0  # a pending put (or move) older than this is a zombie
     node_timeout_s: float = 10.0  # no heartbeat for this long: node dead, its replicas dropped
     alignment: int = 64
+    # The most objects in the table, pending puts included: what bounds the master's memory
+    # (capacity alone does not: 64-byte objects are ~1000x more entries than 64 KiB ones).
+    max_objects: int = 1_000_000
     # Per owner (the cache namespace a put names); `default_quota` caps the owners not named
     # (None: they are unlimited).
     quotas: Mapping[str, Quota] = field(default_factory=dict, hash=False)
@@ -77,8 +80,8 @@ class MasterConfig:
             raise ValueError("high_watermark must be in (0, 1], evict_fraction in [0, 1)")
         if self.lease_s < 0 or self.put_timeout_s <= 0 or self.node_timeout_s <= 0:
             raise ValueError("lease_s >= 0, put_timeout_s > 0 and node_timeout_s > 0")
-        if self.alignment <= 0:
-            raise ValueError("alignment must be positive")
+        if self.alignment <= 0 or self.max_objects < 1:
+            raise ValueError("alignment and max_objects must be positive")
         for q in [*self.quotas.values(), self.default_quota]:
             if q is not None and any(c is not None and c < 0 for c in (q.dram_bytes, q.ssd_bytes)):
                 raise ValueError("quota bytes must be >= 0")

@@ -282,6 +282,56 @@ def test_put_start_evicts_lru_to_make_room_and_says_no_space_when_it_cannot() ->
     put(st, "big", 1 * KB, 111.0)  # the lease ran out
 
 
+# --- the object count limit -------------------------------------------------------------------
+
+
+def test_a_put_past_max_objects_evicts_the_least_recently_used_object() -> None:
+    st = master(dram("a", 64 * KB), max_objects=3, lease_s=0.0)
+    fill(st, 3)
+    found(st.lookup("k000", 1.0))  # read: k001 is now the least recently used
+    st.drain()
+    put(st, "new", 100, 2.0)
+    assert removed(st.drain()) == ["k001"]
+    assert st.exists_many(["k000", "k001", "k002", "new"]) == [True, False, True, True]
+    assert len(st) == 3 and st.stats["evicted"] == 1
+
+
+def test_a_put_past_max_objects_is_refused_when_no_object_can_go() -> None:
+    st = master(dram("a", 64 * KB), max_objects=3, lease_s=10.0)
+    put(st, "hard", pin=Pin.HARD)
+    put(st, "leased")
+    found(st.lookup("leased", 0.0))
+    assert isinstance(st.put_start("pending", 100, 0.0), PutPlan)  # not yet put_end
+    st.drain()
+    res = st.put_start("more", 100, 1.0)
+    refused(res, Reason.NO_SPACE)
+    assert isinstance(res, Refusal) and "object count limit reached" in res.detail
+    assert "max_objects=3" in res.detail
+    assert st.drain() == [] and st.object("more") is None
+    assert st.put_end("pending", 1.0) is OK  # now complete, unpinned, never read: it goes
+    put(st, "more", 100, 2.0)
+    assert removed(st.drain()) == ["pending"]
+
+
+def test_the_count_limit_evicts_objects_whole_never_offloading_them() -> None:
+    # An offload to SSD would keep the object in the table: it is dropped instead.
+    st = master(dram("a", 64 * KB), ssd("a", 64 * KB), max_objects=2, lease_s=0.0)
+    fill(st, 2)
+    st.drain()
+    put(st, "new", 100, 1.0)
+    changes = st.drain()
+    assert removed(changes) == ["k000"] and of_type(changes, Move) == []
+    assert st.usage()["ssd"]["used"] == 0
+
+
+def test_restore_rejects_reported_objects_past_max_objects() -> None:
+    st = master(max_objects=2)
+    reported = [ReportedObject(f"r{i}", "a-dram-0", i * 128, 100) for i in range(3)]
+    res = st.restore("a", [dram("a")], reported, 0.0)
+    assert res == Restored(adopted=2, rejected=1)
+    assert len(st) == 2
+
+
 # --- node loss --------------------------------------------------------------------------------
 
 
@@ -749,8 +799,8 @@ class Model:
     checks after every step that its metadata is self-consistent and agrees with what the
     change stream told the world."""
 
-    def __init__(self, **quotas: object) -> None:
-        cfg = MasterConfig(lease_s=5.0, put_timeout_s=20.0, node_timeout_s=10.0, **quotas)  # type: ignore[arg-type]
+    def __init__(self, **config: object) -> None:
+        cfg = MasterConfig(lease_s=5.0, put_timeout_s=20.0, node_timeout_s=10.0, **config)  # type: ignore[arg-type]
         self.st = MasterState(cfg, random.Random(0))
         self.now = 0.0
         self.alive = set(NODES)
@@ -866,6 +916,8 @@ class Model:
 
     def check_objects(self) -> None:
         assert self.st.exists_many(KEYS) == [k in self.visible for k in KEYS]
+        known = sum(self.st.object(k) is not None for k in KEYS)  # pending puts included
+        assert known <= self.st.config.max_objects
         assert len(self.st) == len(self.visible)
         for k in KEYS:
             view = self.st.object(k)
@@ -912,5 +964,15 @@ def test_random_operation_sequences_under_quotas_keep_every_invariant(ops: list[
         quotas={"A": Quota(dram_bytes=700, ssd_bytes=600), "B": Quota(dram_bytes=1200)},
         default_quota=Quota(ssd_bytes=0),  # C: never offloaded, always dropped
     )
+    for op in ops:
+        model.step(op)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=hs.lists(op_strategy, min_size=30, max_size=100))
+def test_random_operation_sequences_under_an_object_count_limit_keep_every_invariant(
+    ops: list[Op],
+) -> None:
+    model = Model(max_objects=4)
     for op in ops:
         model.step(op)
