@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,7 +39,7 @@ def bench_bus(
 
     settings = settings_or_exit()
     result = asyncio.run(run_bus_bench(settings, events=events, relays=relays, log=err))
-    print_result("bench bus", result, as_json)
+    _print("bus", result, as_json)
 
 
 @bench_app.command("store")
@@ -60,7 +62,7 @@ def bench_store(
     except ValueError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
-    print_result("bench store", result, as_json)
+    _print("store", result, as_json)
 
 
 @bench_app.command("index")
@@ -104,7 +106,7 @@ def bench_pipeline(
     except RuntimeError as exc:
         err.print(f"[red]bench pipeline failed:[/red] {exc}")
         raise typer.Exit(1) from exc
-    print_result("bench pipeline", result, as_json)
+    _print("pipeline", result, as_json)
 
 
 @bench_app.command("overload")
@@ -150,7 +152,7 @@ def bench_overload(
     except RuntimeError as exc:
         err.print(f"[red]bench overload failed:[/red] {exc}")
         raise typer.Exit(1) from exc
-    print_result("bench overload", result, as_json)
+    _print("overload", result, as_json)
 
 
 @bench_app.command("conductor")
@@ -177,7 +179,7 @@ def bench_conductor(
             requests=requests, instances=instances, min_blocks=min_blocks, traces=directory,
             log=err.print,
         )  # fmt: skip
-    print_result("bench conductor", result, as_json)
+    _print("conductor", result, as_json)
 
 
 @bench_app.command("engine")
@@ -237,7 +239,7 @@ def bench_engine(
     except EngineError as exc:
         err.print(f"[red]bench engine:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
-    print_result("bench engine", result | {"busy_at_start": busy}, as_json)
+    _print("engine", result | {"busy_at_start": busy}, as_json)
 
 
 @bench_app.command("memory")
@@ -309,6 +311,38 @@ def bench_memory(
     _run_stack_bench("memory", run_memory_bench(settings, opts, log=err.print), as_json)
 
 
+def _print(name: str, result: dict[str, Any], as_json: bool) -> None:
+    """Print a bench's result, then hold it to its schema (mooncake/bench/schema.py): one
+    that does not match is a bug in the bench, said on stderr with exit status 3, after
+    the figures (a long run's are not lost to it)."""
+    from mooncake.bench.schema import BenchSchemaError, validate
+
+    print_result(f"bench {name}", result, as_json)
+    try:
+        validate(name, json.loads(json.dumps(result)))  # what a script reading it gets
+    except BenchSchemaError as exc:
+        err.print(f"[red]{exc}[/red]", soft_wrap=True, highlight=False)
+        raise typer.Exit(3) from exc
+
+
+@bench_app.command("schema")
+def bench_schema(
+    name: Annotated[str | None, typer.Argument(help="A bench (default: list them)")] = None,
+) -> None:
+    """The JSON Schema of a bench's `--json` output: its fields, types, units, and which
+    appear only on some runs (mooncake/bench/schema.py)."""
+    from mooncake.bench.schema import SCHEMAS, BenchSchemaError, json_schema
+
+    if name is None:
+        sys.stdout.write("\n".join(SCHEMAS) + "\n")
+        return
+    try:
+        sys.stdout.write(json.dumps(json_schema(name), indent=1) + "\n")
+    except BenchSchemaError as exc:
+        err.print(f"[red]{exc}[/red]", soft_wrap=True, highlight=False)
+        raise typer.Exit(2) from exc
+
+
 def _busy_at_start(name: str) -> list[str]:
     """What else used the CPUs as a bench that needs them all started (`bench.quiet`),
     said on stderr; one line per process for the result's `busy_at_start`."""
@@ -334,7 +368,7 @@ def _run_stack_bench(name: str, run: Coroutine[Any, Any, dict[str, Any]], as_jso
     except RuntimeError as exc:
         err.print(f"[red]bench {name} failed:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
-    print_result(f"bench {name}", result, as_json)
+    _print(name, result, as_json)
 
 
 @bench_app.command("isolation")
@@ -440,7 +474,7 @@ def bench_cpp(
     except ValueError as exc:
         err.print(f"[red]bench cpp:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
-    print_result("bench cpp", result | {"busy_at_start": busy}, as_json)
+    _print("cpp", result | {"busy_at_start": busy}, as_json)
 
 
 @bench_app.command("vs-vllm")
