@@ -9,9 +9,16 @@ decode instance it was given at admission, however long the request queued). Eac
 dispatched again to a live instance of the same role that the core chooses (`attempt + 1`, a
 message id derived from the attempt), and only then acked; past `max_attempts` the request
 fails (`retries_exhausted`). Work of a request that already ended (cancelled, say) is
-dropped. The reaper stops when the consumer is drained and no request in flight names the
-instance any more, or at once when the instance reports again (it is alive after all and
-takes its own work back).
+dropped. While no live instance of the role can take a message, the reaper keeps it
+(`in_progress`, which spends no delivery) and tries again each second, for at most
+`conductor.no_instance_wait_s`, then fails the request (`no_instance`); if the instance comes
+back meanwhile, what the reaper kept goes back to it at once, one delivery spent (a nak per
+try would spend the instance's `bus.max_deliver` in as many seconds, and the work would
+fail as exhausted the moment its owner returned).
+
+The reaper stops when the consumer is drained and no request in flight names the instance
+any more, or at once when the instance reports again (it is alive after all and takes its
+own work back).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import nats.errors
@@ -53,6 +61,16 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 
 Role = Literal["prefill", "decode"]
 Work = PrefillWork | DecodeWork
+# How often (at most) the reaper tries again the work no live instance could take.
+PARKED_RETRY_S = 1.0
+
+
+@dataclass(slots=True)
+class Parked:
+    """A dead instance's message the reaper keeps while no live instance can take it."""
+
+    msg: Msg
+    since: float  # when no instance could first take it
 
 
 def work_consumer(role: Role, instance: str) -> ConsumerSpec:
@@ -89,7 +107,6 @@ class Reaper:
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[asyncio.Task[int]] = set()  # reapers of revived instances
-        self._waiting: dict[tuple[str, int], float] = {}  # (stream, seq) -> first no-instance
 
     def watch(self, member: Member) -> None:
         """Start reaping a dead instance's work (idempotent)."""
@@ -144,16 +161,23 @@ class Reaper:
         # Held messages come back one ack_wait after their last delivery (or in_progress).
         linger = 2 * bus.ack_wait_s + self.settings.conductor.liveness_timeout_s
         idle_since = self._clock()
+        parked: dict[tuple[str, int], Parked] = {}  # no live instance took them yet
+        tried = idle_since
+        retry_s = min(PARKED_RETRY_S, bus.ack_wait_s / 3)  # in_progress well within ack_wait
         log.info("reaping %s work of dead instance %s", role, instance)
         try:
             while True:
                 try:
-                    msgs = await psub.fetch(16, timeout=1.0)
+                    msgs = await psub.fetch(16, timeout=retry_s)
                 except (TimeoutError, nats.errors.TimeoutError):
                     msgs = []
                 for m in msgs:
-                    await self._one(role, m)
+                    await self._one(role, m, parked)
                 now = self._clock()
+                if parked and now - tried >= retry_s:
+                    tried = now
+                    for p in list(parked.values()):
+                        await self._one(role, p.msg, parked)
                 if msgs:
                     idle_since = now
                 elif now - idle_since > linger:
@@ -164,21 +188,46 @@ class Reaper:
                         return
                     idle_since = now
         finally:
+            # Given back at once (its owner is back, or the Conductor stops): the next to
+            # pull the consumer takes them with one more delivery, not after an ack_wait.
+            for p in parked.values():
+                with contextlib.suppress(Exception):
+                    await p.msg.nak()
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
 
-    async def _one(self, role: Role, m: Msg) -> None:
+    async def _one(self, role: Role, m: Msg, parked: dict[tuple[str, int], Parked]) -> None:
+        key = _msg_key(m)
         try:
-            await self._redispatch(role, m)
+            if await self._redispatch(role, m):
+                parked.pop(key, None)
+                return
         except Exception:
+            parked.pop(key, None)
             log.exception("re-dispatch of %s failed; it comes back after ack_wait", m.subject)
+            return
+        # No live instance of the role: keep it (no delivery spent), fail it past the wait.
+        p = parked.get(key)
+        if p is None:
+            p = parked[key] = Parked(m, self._clock())
+        p.msg = m  # the newest delivery, if the server sent it again meanwhile
+        if self._clock() - p.since > self.settings.conductor.no_instance_wait_s:
+            parked.pop(key, None)
+            work = parse_work(role, m.data)
+            assert work is not None  # _redispatch read it
+            await self._fail(role, work, "no_instance", f"no live {role} instance")
+            await m.ack()
+            return
+        await m.in_progress()
 
-    async def _redispatch(self, role: Role, m: Msg) -> None:
+    async def _redispatch(self, role: Role, m: Msg) -> bool:
+        """Settle one of the dead instance's messages: True, or False while no live instance
+        of the role can take it (the message is left as it is)."""
         work = parse_work(role, m.data)
         if work is None:
             log.error("unreadable %s work on %s dropped", role, m.subject)
             await m.term()
-            return
+            return True
         rid = work.request_id
         # A completion the dead instance claimed may not be published: that work is done again
         # (the new attempt wins the same claim and publishes the same event).
@@ -187,28 +236,27 @@ class Reaper:
             await m.ack()  # cancelled (or otherwise ended) meanwhile: nothing to do
             self.view.apply(cl.RequestDropped(rid), self._clock())
             log.info("%s work of %s not re-dispatched: it ended (%s)", role, rid, how)
-            return
+            return True
         if isinstance(work, PrefillWork) and work.cpp is not None and work.cpp.stage > 0:
             # A CPP stage is its leader's to replace: the leader gives the group up when a
             # member goes silent and prefills the request alone.
             await m.ack()
             log.info("stage %d of %s's group not re-dispatched", work.cpp.stage, rid)
-            return
+            return True
         attempt = work.attempt + 1
         if attempt > self.settings.conductor.max_attempts:
             await self._fail(role, work, "retries_exhausted", f"{work.attempt} attempts")
             await m.ack()
-            return
+            return True
         old_id = (m.headers or {}).get(MSG_ID) or "{}:{}".format(*_msg_key(m))
         trace = {k: v for k, v in (m.headers or {}).items() if k in TRACE_HEADERS}
         sent = await self._send(role, work, attempt, redispatch_msg_id(old_id, attempt), trace)
         if sent is None:
-            await self._no_instance(role, work, m)
-            return
-        self._waiting.pop(_msg_key(m), None)
+            return False
         await m.ack()
         metrics.WORK_REDISPATCHED.labels(role).inc()
         log.info("%s work of %s re-dispatched to %s (attempt %d)", role, rid, sent, attempt)
+        return True
 
     async def _send(
         self, role: Role, work: Work, attempt: int, msg_id: str, trace: dict[str, str]
@@ -257,16 +305,6 @@ class Reaper:
         # The request's trace goes on with the re-dispatched work.
         await self.js.publish(subject, new.to_json(), headers={MSG_ID: msg_id, **trace})
         return target
-
-    async def _no_instance(self, role: Role, work: Work, m: Msg) -> None:
-        """No live instance of the role: wait (bounded), then fail the request."""
-        first = self._waiting.setdefault(_msg_key(m), self._clock())
-        if self._clock() - first > self.settings.conductor.no_instance_wait_s:
-            self._waiting.pop(_msg_key(m), None)
-            await self._fail(role, work, "no_instance", f"no live {role} instance")
-            await m.ack()
-            return
-        await m.nak(delay=1.0)
 
     async def _fail(self, role: Role, work: Work, reason: str, detail: str) -> None:
         ended = await self.ender.fail(

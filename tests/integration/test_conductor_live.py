@@ -55,11 +55,13 @@ BT = 16  # block tokens: small prompts, several whole blocks
 
 def live_settings(nats_url: str, namespace: str, **over: Any) -> Settings:
     conductor = ConductorSettings(
-        load_report_interval_s=0.1,
-        liveness_timeout_s=0.8,
-        max_attempts=2,
-        no_instance_wait_s=1.0,
-        **over.pop("conductor", {}),
+        **{
+            "load_report_interval_s": 0.1,
+            "liveness_timeout_s": 0.8,
+            "max_attempts": 2,
+            "no_instance_wait_s": 1.0,
+            **over.pop("conductor", {}),
+        }
     )
     return Settings(
         nats_url=nats_url,
@@ -423,6 +425,54 @@ async def test_dead_prefill_work_is_redispatched_then_fails_once(
         final = TokenChunk.model_validate(chunks[-1])
         assert final.done and final.finish_reason == "failed"
         assert await terminal.ended(conductor.ender.kv, "r-dead") == "failed"
+
+
+async def test_a_lone_instance_back_from_the_dead_gets_its_work_with_deliveries_to_spare(
+    nats_url: str, namespace: str
+) -> None:
+    """A lone prefill dies holding work; no other can take it. The reaper keeps the work
+    without spending deliveries (a nak a second spent max_deliver in five, and the work
+    failed as exhausted when its owner came back); the owner, back, gets it at once, and
+    dying again holding it starts a new wait rather than failing it on the spot."""
+    wait_s = 5.0
+    s = live_settings(nats_url, namespace, conductor={"no_instance_wait_s": wait_s})
+    s = s.model_copy(update={"bus": s.bus.model_copy(update={"max_deliver": 4})})
+    max_deliver = s.bus.max_deliver
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        p1_work = await cl.bind_work("prefill", "p1")
+        await cl.submit("r-lone", token_ids=tokens(3 * BT))
+        assert (await cl.outcome("r-lone"))["prefill_instance"] == "p1"
+        [held] = await p1_work.fetch(1, timeout=5)  # p1 takes it ... and dies holding it
+        assert held.metadata.num_delivered == 1
+        await p1_work.unsubscribe()
+        del cl.instances["p1"]
+
+        async def reaped() -> bool:
+            return "p1" in conductor.reaper._tasks
+
+        await until(reaped, 5, "the reaper to take p1's work")
+        await asyncio.sleep(wait_s - 1.5)  # a nak a second: past max_deliver by now
+        assert not cl.of("request.failed", "r-lone")
+        cl.instances["p1"] = Fake("prefill", "n1")  # back
+        p1_work = await cl.bind_work("prefill", "p1")
+        [back] = await p1_work.fetch(1, timeout=5)
+        # Its own delivery, the reaper's, and this one: deliveries left to do the work.
+        assert back.metadata.num_delivered <= 3 < max_deliver
+        assert PrefillWork.model_validate_json(back.data).attempt == 1  # not re-dispatched
+        await p1_work.unsubscribe()
+        del cl.instances["p1"]  # dies holding it again
+
+        died_again = time.monotonic()
+        failed = await until(
+            lambda: _some(cl.of("request.failed", "r-lone")), 15, "the request to fail"
+        )
+        # A new wait from this death (a stale start from the first would fail it at once).
+        assert time.monotonic() - died_again >= wait_s
+        assert (failed[0]["reason"], failed[0]["stage"]) == ("no_instance", "prefill")
+        await asyncio.sleep(1.0)
+        assert len(cl.of("request.failed", "r-lone")) == 1
 
 
 async def _some(items: list[Any]) -> list[Any] | None:
