@@ -248,6 +248,14 @@ class ConductorSettings(BaseModel):
     # How long a submission (or re-dispatched work) waits for an instance of the role it
     # needs (start-up, whole pool down) before it ends with `no_instance`.
     no_instance_wait_s: Annotated[float, Field(ge=0)] = 10.0
+    # Admitted requests the Conductor tracks at once; past it a submission is rejected
+    # (`in_flight_limit`, 429). With `max_index_keys`, what bounds the Conductor's memory
+    # (mooncake.memory.control_bound_bytes).
+    max_inflight: Annotated[int, Field(ge=1)] = 100_000
+    # Block keys each of its two KV indexes (the pool's, the engines' pools') holds at most;
+    # the store master holds store.max_objects. A key past it is not indexed (a cache miss,
+    # never a wrong hit), with a warning.
+    max_index_keys: Annotated[int, Field(ge=1)] = 2_000_000
     # Prefill / decode-step time predictor: a `mooncake profile engine` JSON (fitted
     # polynomial), or None for the analytic model of the paper's reference hardware.
     cost_profile: Path | None = None

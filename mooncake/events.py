@@ -147,6 +147,9 @@ class RejectReason(StrEnum):
     # Under contention its tenant holds more than its fair share of the work in flight
     # (core/tenancy.py): the others' requests go first.
     TENANT_QUOTA = "tenant_quota"
+    # The Conductor already tracks `conductor.max_inflight` admitted requests: what bounds
+    # its memory (a request in flight is state it keeps until the request ends).
+    IN_FLIGHT_LIMIT = "in_flight_limit"
 
 
 class RequestAdmitted(RequestEvent):

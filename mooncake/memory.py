@@ -20,6 +20,15 @@ weights + KV + 600 MiB). RSS counts a shared page once in every process that map
 shm transport maps the peers' segments it copies from), so the check on this bound is on
 PSS, which counts each shared page as a share per process.
 
+Control-plane bound. The gateway, the Conductor, the recorder and the store master hold no
+model; each logs at start the most it may come to hold (`control_parts`): a runtime
+allowance (`CONTROL_ALLOWANCE`) plus what each of its bounded tables takes at its limit,
+from bytes per entry measured with tracemalloc (the gateway's requests and bodies in flight,
+`gateway.max_inflight[_body_bytes]`; the Conductor's requests in flight and KV index keys,
+`conductor.max_inflight` / `max_index_keys`; the store master's objects and journal,
+`store.max_objects` / `journal_max`) plus, for each pull consumer it runs, its window of
+delivered and unhandled messages (`bus.consume.window_bytes`).
+
 Heap. glibc raises its mmap threshold each time a large block is freed, after which
 allocations up to 32 MiB come from the heap, whose freed memory is rarely returned: loading
 a GGUF model (dequantizing tensor by tensor) left ~440 MiB of free heap resident in every
@@ -38,8 +47,12 @@ import ctypes.util
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from mooncake.config import Settings
 
 log = logging.getLogger("mooncake.memory")
 
@@ -50,6 +63,10 @@ MAX_DEFAULT_KV = 64 * GIB
 # Beyond weights, KV and the store segment: torch's runtime (~280 MiB resident here, ~210 of
 # it its libraries), Python, and a prefill's activations (issue 15's figure).
 OTHER_ALLOWANCE = 600 * MIB
+# A control-plane role's runtime (Python, nats-py, pydantic, SQLAlchemy where it records):
+# 114-121 MiB RSS at idle (2026-11-25, BENCHMARKS.md), doubled for transients.
+CONTROL_ALLOWANCE = 256 * MIB
+CONTROL_ROLES = ("gateway", "conductor", "recorder", "store_master")
 M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
 M_TRIM_THRESHOLD = -1
 HEAP_MMAP_THRESHOLD = 1 * MIB
@@ -89,6 +106,44 @@ def bound_bytes(weights_bytes: int, kv_budget_bytes: int, store_segment_bytes: i
     segment its embedded store node pools (`store.dram_bytes`, shared memory its peers map
     too), and the allowance for everything else."""
     return weights_bytes + kv_budget_bytes + store_segment_bytes + OTHER_ALLOWANCE
+
+
+def control_parts(role: str, settings: Settings) -> dict[str, int]:
+    """What a control-plane role may hold, by part (bytes); their sum is its bound."""
+    from mooncake.bus.consume import window_bytes
+
+    window = window_bytes(settings.bus)
+    parts = {"runtime": CONTROL_ALLOWANCE}
+    if role == "gateway":
+        from mooncake.gateway.inflight import memory_parts
+
+        parts |= memory_parts(settings.gateway)
+    elif role == "conductor":
+        from mooncake.serving.conductor_setup import memory_parts as conductor_parts
+
+        parts |= conductor_parts(settings) | {"consumers": 2 * window}
+    elif role == "recorder":
+        parts["consumers"] = 3 * window  # requests, metadata, dead letters
+    elif role == "store_master":
+        from mooncake.store.master import memory_parts as master_parts
+
+        parts |= master_parts(settings.store)
+    else:
+        raise ValueError(f"{role!r} is no control-plane role ({', '.join(CONTROL_ROLES)})")
+    return parts
+
+
+def control_bound_bytes(role: str, settings: Settings) -> int:
+    return sum(control_parts(role, settings).values())
+
+
+def state_control_bound(role: str, settings: Settings) -> int:
+    """Log the role's bound by part at start (as an engine worker logs its own); the bound."""
+    parts = control_parts(role, settings)
+    bound = sum(parts.values())
+    said = " + ".join(f"{name} {size / MIB:.0f} MiB" for name, size in parts.items())
+    log.info("memory: %s = bound %.0f MiB", said, bound / MIB)
+    return bound
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -140,7 +140,7 @@ class Conductor:
         self._online = online_model(costs)  # refitted from the workers' timings, or None
         self._clock = clock
         self._subjects = WorkSubjects(ctx.ns)
-        self.view = cl.ClusterView()
+        self.view = cl.ClusterView(s.conductor.max_index_keys)
         self.known = KnownRequests()
         self._client_limit = Limit(s.conductor.client_rate_per_s, s.conductor.client_burst)
         self._client_limits = ClientLimits(self._client_limit)

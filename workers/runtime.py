@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from mooncake import events as ev
+from mooncake import memory
 from mooncake.bus.connection import connect, ensure_streams
 from mooncake.bus.publish import Publisher
 from mooncake.config import Settings
@@ -104,6 +105,8 @@ async def worker_context(
         )
     )
     log.info("%s %s up (metrics port %s)", role, instance, port)
+    if role in memory.CONTROL_ROLES:  # an engine worker states its own, with its model's
+        memory.state_control_bound(role, settings)
     try:
         yield ctx
     finally:

@@ -316,19 +316,28 @@ def role_figures(
     kv_budget_bytes: int,
     parts: dict[str, dict[str, int]] | None = None,
     segment_bytes: int = 0,
+    settings: Settings | None = None,
 ) -> dict[str, dict[str, float | None]]:
-    """Each role instance's peak RSS and bounds (MiB); only engine roles have bounds: issue
-    15's (weights + KV budget + 600 MiB) and the one the worker states at start (its store
-    segment too). With `parts`, the peak of each part of its RSS (`peak_anon_mb`, ...)."""
+    """Each role instance's peak RSS and bounds (MiB). An engine role's: issue 15's (weights
+    + KV budget + 600 MiB) and the one the worker states at start (its store segment too); a
+    control-plane role's (with `settings`): the one it states at start, as both. Other
+    processes (a store node alone) have none. With `parts`, the peak of each part of its
+    RSS (`peak_anon_mb`, ...)."""
     bound = memory.bound_bytes(weights_bytes, kv_budget_bytes) / memory.MIB
     stated = memory.bound_bytes(weights_bytes, kv_budget_bytes, segment_bytes) / memory.MIB
     out: dict[str, dict[str, float | None]] = {}
     for name, peak in sorted(peaks.items()):
-        engine = name.rsplit("-", 1)[0] in ENGINE_ROLES
+        kind = name.rsplit("-", 1)[0].replace("-", "_")
+        mine: float | None = None
+        his: float | None = None
+        if kind in ENGINE_ROLES:
+            mine, his = bound, stated
+        elif kind in memory.CONTROL_ROLES and settings is not None:
+            mine = his = memory.control_bound_bytes(kind, settings) / memory.MIB
         role: dict[str, float | None] = {
             "peak_rss_mb": round(peak / memory.MIB, 1),
-            "bound_mb": round(bound, 1) if engine else None,
-            "stated_bound_mb": round(stated, 1) if engine else None,
+            "bound_mb": None if mine is None else round(mine, 1),
+            "stated_bound_mb": None if his is None else round(his, 1),
         }
         for part, size in sorted((parts or {}).get(name, {}).items()):
             role[f"peak_{part}_mb"] = round(size / memory.MIB, 1)
@@ -383,7 +392,7 @@ def _report(
     """The JSON line: the options, the run's figures, roles against their bounds, checks."""
     segment = Stack(settings).store_bytes()  # what `up` gives each engine worker's node
     roles = role_figures(
-        run.pop("peaks"), probe["weights_bytes"], budget, run.pop("parts"), segment
+        run.pop("peaks"), probe["weights_bytes"], budget, run.pop("parts"), segment, settings
     )
     infra = {
         k: {"peak_rss_mb": round(v / memory.MIB, 1)} for k, v in run.pop("infra_peaks").items()

@@ -542,11 +542,16 @@ class OomFigures(BenchModel):
 
 
 class RoleMemory(BenchModel):
-    """One role instance's peak memory and bounds (MiB); bounds for engine roles only."""
+    """One role instance's peak memory and bounds (MiB): an engine role's, a control-plane
+    role's (the bound it states at start, mooncake.memory.control_parts); null for others."""
 
     peak_rss_mb: float = Field(description="Peak RSS (MiB)")
-    bound_mb: float | None = Field(description="weights + KV budget + 600 MiB; null: not engine")
-    stated_bound_mb: float | None = Field(description="That plus its store segment; null: same")
+    bound_mb: float | None = Field(
+        description="Engine: weights + KV budget + 600 MiB; control plane: its stated bound"
+    )
+    stated_bound_mb: float | None = Field(
+        description="Engine: that plus its store segment; control plane: its stated bound"
+    )
     peak_anon_mb: float | None = Field(None, description="Where sampled: peak RssAnon (MiB)")
     peak_file_mb: float | None = Field(None, description="Where sampled: peak RssFile (MiB)")
     peak_shmem_mb: float | None = Field(None, description="Where sampled: peak RssShmem (MiB)")

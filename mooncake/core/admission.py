@@ -48,7 +48,11 @@ def decide(
     now: float,
 ) -> cd.Decision:
     """The admission decision on arrival under `policy`; every rejecting policy then holds
-    each tenant to its share under contention (`tenant_share`)."""
+    each tenant to its share under contention (`tenant_share`). Every policy, `none`
+    included, refuses a request past `cfg.max_inflight` requests in flight (the
+    Conductor's memory bound)."""
+    if len(view.inflight) >= cfg.max_inflight:
+        return cd.in_flight_limit(req, policy, cfg, now)
     choice = cd.choose(view, req, cfg, costs, now)
     if choice is None:
         return cd.no_instance(req, policy, cfg, now)

@@ -14,8 +14,11 @@ be O(N)); owned by one `ClusterView` and changed only through its `apply`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 _EMPTY: frozenset[str] = frozenset()
 
@@ -41,7 +44,13 @@ NO_MATCH = PrefixMatch(0, {}, _EMPTY)
 
 
 class BlockIndex:
-    def __init__(self) -> None:
+    """`max_keys`: the most keys it holds (its memory bound); a new key past it is not
+    indexed (`refused` counts them): a cache miss for the prompts that would have used it,
+    never a hit on a block that is not there."""
+
+    def __init__(self, max_keys: int | None = None) -> None:
+        self.max_keys = max_keys
+        self.refused = 0
         self._holders: dict[str, frozenset[str]] = {}
         # key -> the holders that keep it only on SSD (a subset of its holders)
         self._ssd: dict[str, frozenset[str]] = {}
@@ -63,12 +72,26 @@ class BlockIndex:
     def add(self, node: str, keys: Iterable[str]) -> None:
         one = self._intern(frozenset((node,)))
         index = self._holders
+        room = None if self.max_keys is None else self.max_keys - len(index)
         for key in keys:
             old = index.get(key)
             if old is None:
+                if room is not None:
+                    if room <= 0:
+                        self._refuse()
+                        continue
+                    room -= 1
                 index[key] = one
             elif node not in old:
                 index[key] = self._intern(old | one)
+
+    def _refuse(self) -> None:
+        if not self.refused:
+            log.warning(
+                "KV index full (%d keys): blocks past it are not indexed (cache misses); "
+                "raise conductor.max_index_keys if memory allows", self.max_keys,
+            )  # fmt: skip
+        self.refused += 1
 
     def remove(self, node: str, keys: Iterable[str]) -> None:
         index = self._holders

@@ -246,13 +246,14 @@ def _judged_by(r: Inflight) -> None:
 
 
 class ClusterView:
-    def __init__(self) -> None:
+    def __init__(self, max_index_keys: int | None = None) -> None:
+        """`max_index_keys`: the most keys each of its two KV indexes holds (BlockIndex)."""
         self.prefill: dict[str, PrefillInstance] = {}
         self.decode: dict[str, DecodeInstance] = {}
-        self.blocks = BlockIndex()
+        self.blocks = BlockIndex(max_index_keys)
         # Each engine's own KV pool (its engine tier), by instance id: local to that instance,
         # fetchable by no other, so kept out of `blocks` (the pool Algorithm 1 fetches from).
-        self.engine_blocks = BlockIndex()
+        self.engine_blocks = BlockIndex(max_index_keys)
         # Nodes (pool) and instances (engine tiers) whose index is not EXACT right now
         # (store/kv_index.py): their blocks count as not there, never as hits.
         self.unsure_nodes: frozenset[str] = frozenset()

@@ -98,6 +98,9 @@ class ConductorConfig:
     cpp: CppConfig = field(default_factory=CppConfig)
     # Per-tenant admission shares under contention (core/tenancy.py).
     tenants: TenantShares = field(default_factory=TenantShares)
+    # Admitted requests in flight at most (`in_flight_limit` past it): the Conductor's state
+    # for them is what bounds its memory.
+    max_inflight: int = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,6 +488,16 @@ def no_instance(req: ScheduleRequest, policy: str, cfg: ConductorConfig, now: fl
     )  # fmt: skip
 
 
+def in_flight_limit(
+    req: ScheduleRequest, policy: str, cfg: ConductorConfig, now: float
+) -> Decision:
+    """Refused before any choice: `cfg.max_inflight` requests are in flight already."""
+    return Decision(
+        req.request_id, policy, False, RejectReason.IN_FLIGHT_LIMIT, now, req.prompt_tokens,
+        config=cfg, tenant=req.tenant,
+    )  # fmt: skip
+
+
 def rejection_detail(d: Decision) -> str:
     """Why a policy rejected a request, in words and numbers (the event's `detail`; the
     gateway shows it to the client)."""
@@ -499,6 +512,11 @@ def rejection_detail(d: Decision) -> str:
     match d.reason:
         case RejectReason.NO_INSTANCE:
             return f"no live instance pair can take a prompt of {d.prompt_tokens:,} tokens"
+        case RejectReason.IN_FLIGHT_LIMIT:
+            return (
+                f"the Conductor already tracks its limit of {cfg.max_inflight:,} requests in "
+                "flight (conductor.max_inflight)"
+            )
         case RejectReason.TTFT_SLO if (m := dict(d.extra).get("ttft_margin")) is not None:
             judged = (d.predicted_ttft_s or 0.0) * m
             return (

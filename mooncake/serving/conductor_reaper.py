@@ -61,6 +61,8 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 
 Role = Literal["prefill", "decode"]
 Work = PrefillWork | DecodeWork
+# Messages the reaper pulls at once (what it holds of them counts in the Conductor's bound).
+REAP_FETCH = 16
 # How often (at most) the reaper tries again the work no live instance could take.
 PARKED_RETRY_S = 1.0
 
@@ -168,7 +170,7 @@ class Reaper:
         try:
             while True:
                 try:
-                    msgs = await psub.fetch(16, timeout=retry_s)
+                    msgs = await psub.fetch(REAP_FETCH, timeout=retry_s)
                 except (TimeoutError, nats.errors.TimeoutError):
                     msgs = []
                 for m in msgs:

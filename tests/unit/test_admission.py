@@ -249,3 +249,20 @@ def test_while_calibrating_only_an_idle_prefill_instance_takes_work() -> None:
     assert "still learning this cluster's prefill speed" in rejection_detail(held)
     rejected = decide("early", v, request(10_000), CFG, COSTS, 0.0)
     assert while_calibrating(rejected, v, 0.0) is rejected  # a rejection stays as it was
+
+
+def test_past_max_inflight_every_policy_refuses_and_an_end_makes_room() -> None:
+    import dataclasses
+
+    from mooncake.core.conductor import rejection_detail
+
+    cfg = dataclasses.replace(CFG, max_inflight=3)
+    v = view(2, 2)
+    for i in range(3):
+        v.apply(cl.Assigned(f"x{i}", "p0", "d0", 10, 0.01, 0.01), 0.0)
+    for p in POLICIES:
+        d = decide(p, v, request(), cfg, COSTS, 0.0)
+        assert (d.admitted, d.reason, d.stage) == (False, RejectReason.IN_FLIGHT_LIMIT, "admission")
+        assert "limit of 3 requests in flight (conductor.max_inflight)" in rejection_detail(d)
+    v.apply(cl.RequestDropped("x0"), 0.0)  # one ended: room for one
+    assert all(decide(p, v, request(), cfg, COSTS, 0.0).admitted for p in ("none", "early"))

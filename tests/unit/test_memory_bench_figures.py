@@ -211,3 +211,43 @@ def test_the_stack_hands_its_admission_policy_and_cost_profile_to_the_workers(
     assert env["MOONCAKE_ADMISSION_POLICY"] == "early"
     assert env["MOONCAKE_CONDUCTOR__COST_PROFILE"] == str(profile.resolve())
     assert "MOONCAKE_CONDUCTOR__COST_PROFILE" not in Stack(Settings(data_dir=tmp_path)).child_env()
+
+
+def test_control_plane_roles_have_the_bound_they_state_from_their_limits() -> None:
+    from mooncake.bus.consume import window_bytes
+    from mooncake.config import ConductorSettings, GatewaySettings, Settings, StoreSettings
+
+    mib = memory.MIB
+    s = Settings(
+        gateway=GatewaySettings(max_inflight=100, max_inflight_body_bytes=2 * mib),
+        conductor=ConductorSettings(max_inflight=1000, max_index_keys=10_000),
+        store=StoreSettings(max_objects=5000, journal_max=100),
+    )
+    base, window = memory.CONTROL_ALLOWANCE, window_bytes(s.bus)
+    conductor = memory.control_parts("conductor", s)
+    assert conductor["inflight"] == 1000 * 768 and conductor["index"] == 2 * 10_000 * 128
+    assert conductor["consumers"] == 2 * window and conductor["runtime"] == base
+    assert conductor["reaping"] == 16 * s.bus.max_event_bytes
+    gateway = memory.control_parts("gateway", s)
+    assert gateway["inflight"] == 100 * 24 * 1024 and gateway["bodies"] == 2 * mib * 28
+    assert memory.control_parts("recorder", s) == {"runtime": base, "consumers": 3 * window}
+    assert memory.control_parts("store_master", s)["objects"] == 5000 * 1600
+    # Each limit moves the bound by what it holds: twice the requests, 768 B more each.
+    more = s.model_copy(
+        update={"conductor": ConductorSettings(max_inflight=2000, max_index_keys=10_000)}
+    )
+    assert (
+        memory.control_bound_bytes("conductor", more) - memory.control_bound_bytes("conductor", s)
+        == 1000 * 768
+    )
+    with pytest.raises(ValueError, match="no control-plane role"):
+        memory.control_parts("prefill", s)
+
+    peaks = {"conductor-0": 300 * mib, "store-master-0": 200 * mib, "store-node-0": 50 * mib}
+    roles = role_figures(peaks, 100 * mib, 200 * mib, settings=s)
+    stated = memory.control_bound_bytes("store_master", s) / mib
+    assert roles["store-master-0"]["bound_mb"] == roles["store-master-0"]["stated_bound_mb"]
+    assert roles["store-master-0"]["bound_mb"] == round(stated, 1)
+    assert roles["store-node-0"]["bound_mb"] is None  # no role of its own here
+    assert within_bound(roles["conductor-0"])
+    assert not within_bound({**roles["conductor-0"], "peak_rss_mb": 10_000.0})

@@ -428,3 +428,17 @@ async def test_a_snapshot_fetched_across_a_drop_does_not_bring_the_node_back() -
     await fetch
     assert index.holders("ghost") == frozenset()
     assert "n1" not in sub.states and sub.follower.states() == {}
+
+
+def test_a_full_index_refuses_new_keys_but_adds_holders_and_frees_room_on_removal() -> None:
+    index = BlockIndex(max_keys=3)
+    index.add("n1", ["a", "b"])
+    index.add("n2", ["b", "c", "d", "e"])  # "b" known: a holder more; room for "c" only
+    assert sorted(index.keys()) == ["a", "b", "c"] and index.refused == 2
+    assert index.holders("b") == {"n1", "n2"} and index.holders("d") == frozenset()
+    index.remove("n1", ["a"])
+    index.add("n1", ["d"])
+    assert sorted(index.keys()) == ["b", "c", "d"] and index.holders("d") == {"n1"}
+    unbounded = BlockIndex()
+    unbounded.add("n1", [str(i) for i in range(1000)])
+    assert len(unbounded) == 1000 and unbounded.refused == 0
