@@ -36,10 +36,17 @@ RUNTIME_ENV = DEFAULT_DATA_DIR / "runtime.env"
 Precision = Literal["auto", "float32", "bfloat16"]
 
 
-def resolve_precision(value: Precision) -> Literal["float32", "bfloat16"]:
+def resolve_precision(value: Precision, exact: bool = False) -> Literal["float32", "bfloat16"]:
     """What the engine is asked for: bfloat16 for "auto" and "bfloat16" (the engine takes it
-    only where it measures faster), float32 for "float32"."""
-    return "float32" if value == "float32" else "bfloat16"
+    only where it measures faster), float32 for "float32". `exact` (the dummy model: random
+    weights whose answers tests check token for token against a reference engine in another
+    process): "auto" is float32. A measured choice is each process's own, so under load
+    one process took bfloat16 attention and another float32, and their greedy answers
+    parted where two logits nearly tie (a CPP e2e test's answer differed from the
+    reference's at its first token)."""
+    if value == "float32" or (exact and value == "auto"):
+        return "float32"
+    return "bfloat16"
 
 
 # A message's subject and headers beside its payload, in what a pull request may deliver.

@@ -67,8 +67,9 @@ def build_engine(settings: Settings, role: Side | None = None) -> Engine:
             model_id=settings.model_id,
             kv_budget_bytes=kv_budget_bytes(settings),
             decode=s.decode,
-            attention=resolve_precision(s.attention),
-            gemm=resolve_precision(s.gemm),
+            # The dummy model computes exactly (float32) unless bfloat16 is asked for.
+            attention=resolve_precision(s.attention, exact=s.model == "dummy"),
+            gemm=resolve_precision(s.gemm, exact=s.model == "dummy"),
         )
         engine.prefill_attention  # noqa: B018 - chosen (measured) now
         # In the turn too (the two sides map theirs one after the other): it takes a CPU the
