@@ -4,8 +4,11 @@ same in every process)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from mooncake.bench import schema
 from mooncake.bench.cpp import CppBenchOptions, run_cpp_bench
 from mooncake.config import DummyModel, EngineSettings, Settings
 from mooncake.cpus import available
@@ -26,6 +29,7 @@ def test_a_pipeline_of_stage_processes_computes_one_workers_logits(transport: st
         reps=2,
     )  # fmt: skip
     out = run_cpp_bench(settings, opts)
+    schema.validate("cpp", json.loads(json.dumps(out | {"busy_at_start": []})))
     assert out["logits_max_abs_diff"] <= 1e-4, out
     assert out["reps"] == 2 and len(out["speedup_2_each"]) == 2, out
     # Pinned where the workers fit on CPUs of their own (`cpus.spread`).

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from mooncake.bench import schema
 from mooncake.bench.index import NODES, _view, overcounted, run_index_bench
 from mooncake.core.block_index import BlockIndex
 
@@ -21,6 +22,7 @@ async def test_no_decision_after_a_resync_assumes_a_missing_block() -> None:
         prompts=30, fault_s=2.0, per_poll=10, log=lambda m: print(m, flush=True)
     )
     print(json.dumps(out))
+    schema.validate("index", json.loads(json.dumps(out)))  # the fields a script reads
     faults = out["faults"]
     assert set(faults) == {"drop", "master_restart", "node_kill"}
     assert faults["drop"]["dropped_messages"] > 0

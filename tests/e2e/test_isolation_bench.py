@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from mooncake.bench import schema
 from mooncake.bench.isolation import (
     CALM,
     FLOOD,
@@ -44,6 +45,7 @@ async def test_tenants_reuse_no_blocks_of_each_other_through_the_real_roles(
     )
     out = await run_isolation_bench(settings, opts, log=lambda m: print(m, flush=True))
     print(json.dumps(out))
+    schema.validate("isolation", json.loads(json.dumps(out)))  # the fields a script reads
     assert out["cross_tenant_cached_tokens"] == 0, out
     assert out["same_tenant_cached_tokens"] >= 2 * 7 * 64, out  # every usable whole block
     assert out["shared_cached_tokens"] >= 2 * 7 * 64, out

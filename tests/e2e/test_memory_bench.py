@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from mooncake.bench import schema
 from mooncake.bench.memory import MemoryOptions, run_memory_bench
 from mooncake.config import load_settings
 from mooncake.replay_live import LiveReplayOptions, fitted_trace, max_tokens
@@ -78,6 +79,7 @@ async def test_every_role_stays_within_its_bound_when_the_kv_working_set_exceeds
     result = await run_memory_bench(settings, opts, log=lambda m: print(m, flush=True))
     (tmp_path / "memory.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
+    schema.validate("memory", json.loads(json.dumps(result)))  # the fields a script reads
 
     assert result["kv_budget_bytes"] == budget
     assert result["requests"] == opts.limit and result["completed"] > 0
@@ -88,7 +90,11 @@ async def test_every_role_stays_within_its_bound_when_the_kv_working_set_exceeds
     # start (weights + KV + its store segment + 600 MiB). Its RSS also counts its peers'
     # store segments (shm copies map them): reported, not held to issue 15's formula here.
     assert result["within_stated_bounds_pss"], result["roles"]
-    engine_roles = [r for r in result["roles"].values() if r["bound_mb"] is not None]
+    engine_roles = [
+        r for name, r in result["roles"].items() if name.rsplit("-", 1)[0] in ENGINE_ROLES
+    ]
+    control = [r for n, r in result["roles"].items() if n.startswith(("conductor", "store-master"))]
+    assert control and all(r["bound_mb"] is not None for r in control), result["roles"]
     engines = sum(n for role, n in LAYOUT if role in ENGINE_ROLES)  # `up`'s layout
     assert len(engine_roles) == engines and all(r["peak_rss_mb"] > 0 for r in engine_roles)
     # Preemption instead of OOM: a decode worker takes sequences out of its batch when its

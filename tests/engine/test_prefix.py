@@ -248,8 +248,8 @@ def test_a_workers_attention_setting_reaches_its_engine(monkeypatch: pytest.Monk
              "MOONCAKE_ENGINE__DUMMY__CONTEXT": "64"}  # fmt: skip
     for key, value in small.items():
         monkeypatch.setenv(key, value)
-    # auto by default: bfloat16 asked for, taken only where it measures faster.
-    assert build_engine(load_settings()).attention == "bfloat16"
+    # auto by default: float32 for the dummy model (config.resolve_precision, exact).
+    assert build_engine(load_settings()).attention == "float32"
     monkeypatch.setenv("MOONCAKE_ENGINE__ATTENTION", "float32")
     assert build_engine(load_settings()).attention == "float32"
     monkeypatch.setenv("MOONCAKE_ENGINE__ATTENTION", "bfloat16")
