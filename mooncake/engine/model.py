@@ -27,7 +27,7 @@ from mooncake.engine.gemm import (
     linear,
     nbytes,
 )
-from mooncake.engine.quant import QuantWeight
+from mooncake.engine.quant import DIRECT_ROWS, QuantWeight
 from mooncake.engine.spec import ModelSpec
 
 
@@ -75,13 +75,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        """Normalised x in x's dtype, or in `out_dtype` (a float32 residual stream's norm
+        handed to a bfloat16 GEMM: rounded once, here, instead of by the GEMM's copy)."""
         if x.dtype == torch.float32 and x.numel() <= SMALL_ROWS * x.shape[-1]:
             # A decode step: the fused op (same math) saves five kernel calls per norm.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 whatever the activation dtype, as the reference models do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if out_dtype is not None and out_dtype != x.dtype:
+            return (self.weight * xf).to(out_dtype)  # float32 x: the reference's math
         return self.weight * xf.to(x.dtype)
 
 
@@ -215,8 +219,10 @@ class Block(nn.Module):
         ROW_CHUNK positions go through `_chunked` (same math, bounded temporaries)."""
         if x.shape[1] > ROW_CHUNK:
             return self._chunked(x, cos, sin, layer, backend, last_only)
-        h = self.attn_norm(x)
-        qkv = self._gemm("qkv", h)
+        act, att = self._prefill_dtypes(x, backend)
+        bf = act != x.dtype
+        h = self.attn_norm(x, act)
+        qkv = self._gemm("qkv", h, bf)
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
         if last_only and x.shape[1] > 1:
@@ -227,10 +233,27 @@ class Block(nn.Module):
             qk = apply_rope(self._split(qkv[..., : nq + nkv], self.heads + self.kv_heads), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = self._split(v, self.kv_heads)
+        q, k, v = q.to(att), k.to(att), v.to(att)  # RoPE ran in float32 (cos, sin are)
         out = backend(layer, q, k, v)
         b, _, s, _ = out.shape
-        x = x + self._gemm("o", out.transpose(1, 2).reshape(b, s, -1))
-        return x + self._mlp(self.ffn_norm(x)), k, v
+        x = x + self._gemm("o", out.transpose(1, 2).reshape(b, s, -1), bf)
+        return x + self._mlp(self.ffn_norm(x, act), bf), k, v
+
+    def _prefill_dtypes(self, x: Tensor, backend: AttentionBackend) -> tuple[torch.dtype, torch.dtype]:
+        """The dtypes of a prefill's GEMM activations and of the q, k, v it hands `backend`.
+        Where the block's GEMMs multiply in bfloat16 (all over quantized weights, on the
+        CPU, more rows than a decode batch), their inputs and outputs stay bfloat16 between
+        them: the values are those the GEMMs round to anyway, without a float32 copy of each
+        (~a sixth of a 3,000-token SmolLM2 prefill on a 2-vCPU Xeon with AMX went to those
+        copies). The residual stream, the norms and RoPE stay float32. The backend gets
+        bfloat16 q, k, v where it multiplies in bfloat16 itself (`bf16_inputs`), so the
+        rotated k is stored rounded to bfloat16 (its pool keeps float32). Otherwise: x's
+        dtype for both, as before."""
+        rows = x.numel() // x.shape[-1]
+        if not (self.gemm_bf16 and len(self.quant) == len(GEMMS) and x.dtype == torch.float32
+                and rows > DIRECT_ROWS and x.device.type == "cpu"):  # fmt: skip
+            return x.dtype, x.dtype
+        return torch.bfloat16, torch.bfloat16 if getattr(backend, "bf16_inputs", False) else x.dtype
 
     def _chunked(
         self,
@@ -246,12 +269,15 @@ class Block(nn.Module):
         attention output, not a dozen hidden-sized temporaries of the whole prompt."""
         b, s, _ = x.shape
         hd, nq, nkv = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        act, att = self._prefill_dtypes(x, backend)
+        bf = act != x.dtype
         s_q = 1 if last_only else s
-        q = x.new_empty(b, self.heads, s_q, hd)
-        k, v = x.new_empty(b, self.kv_heads, s, hd), x.new_empty(b, self.kv_heads, s, hd)
+        q = x.new_empty(b, self.heads, s_q, hd, dtype=att)
+        k = x.new_empty(b, self.kv_heads, s, hd, dtype=att)
+        v = x.new_empty(b, self.kv_heads, s, hd, dtype=att)
         for a in range(0, s, ROW_CHUNK):
             z = min(a + ROW_CHUNK, s)
-            qkv = self._gemm("qkv", self.attn_norm(x[:, a:z]))
+            qkv = self._gemm("qkv", self.attn_norm(x[:, a:z], act), bf)
             c, sn = cos[:, :, a:z], sin[:, :, a:z]
             k[:, :, a:z] = apply_rope(self._split(qkv[..., nq : nq + nkv], self.kv_heads), c, sn)
             v[:, :, a:z] = self._split(qkv[..., nq + nkv :], self.kv_heads)
@@ -267,31 +293,33 @@ class Block(nn.Module):
         for a in range(0, s_q, ROW_CHUNK):
             z = min(a + ROW_CHUNK, s_q)
             o = attended[:, a:z].reshape(b, z - a, nq)
-            h = rest[:, a:z] + self._gemm("o", o)
-            out[:, a:z] = h + self._mlp_rows(self.ffn_norm(h))
+            h = rest[:, a:z] + self._gemm("o", o, bf)
+            out[:, a:z] = h + self._mlp_rows(self.ffn_norm(h, act), bf)
         return out, k, v
 
-    def _mlp(self, h: Tensor) -> Tensor:
+    def _mlp(self, h: Tensor, bf16_out: bool = False) -> Tensor:
         """SwiGLU; a long prefill's rows in chunks of ROW_CHUNK (rows are independent), so its
         [rows, 2 x ffn] activations do not grow with the prompt."""
         rows = h.numel() // h.shape[-1]
         if rows <= ROW_CHUNK:
-            return self._mlp_rows(h)
+            return self._mlp_rows(h, bf16_out)
         flat = h.reshape(rows, h.shape[-1])
         out = torch.empty_like(flat)
         for start in range(0, rows, ROW_CHUNK):
-            out[start : start + ROW_CHUNK] = self._mlp_rows(flat[start : start + ROW_CHUNK])
+            out[start : start + ROW_CHUNK] = self._mlp_rows(flat[start : start + ROW_CHUNK],
+                                                            bf16_out)  # fmt: skip
         return out.view_as(h)
 
-    def _mlp_rows(self, h: Tensor) -> Tensor:
-        gate, up = self._gemm("gate_up", h).chunk(2, dim=-1)
-        return self._gemm("down", F.silu(gate) * up)
+    def _mlp_rows(self, h: Tensor, bf16_out: bool = False) -> Tensor:
+        gate, up = self._gemm("gate_up", h, bf16_out).chunk(2, dim=-1)
+        return self._gemm("down", F.silu(gate) * up, bf16_out)
 
-    def _gemm(self, name: str, x: Tensor) -> Tensor:
-        """x @ W.T for one of the block's GEMMs: over its quantized blocks where it has them."""
+    def _gemm(self, name: str, x: Tensor, bf16_out: bool = False) -> Tensor:
+        """x @ W.T for one of the block's GEMMs: over its quantized blocks where it has them
+        (`bf16_out`: a bfloat16 GEMM's result left in bfloat16, `_prefill_dtypes`)."""
         quant = self.quant.get(name)
         if quant is not None:
-            return quant(x, self.gemm_bf16)
+            return quant(x, self.gemm_bf16, bf16_out)
         return linear(x, self._weight(name), self._packed[name])
 
     def use_quantized(self, parts: dict[str, QuantWeight]) -> None:

@@ -156,6 +156,8 @@ class PagedPrefill:
         # keys and values (oneDNN's bfloat16 products, AMX where the CPU has it), in place of
         # the native kernel, where it measured faster (`prefill_attention_choice`).
         self.torch_bf16 = torch_bf16 and self.pool.device.type == "cpu"
+        # So a block whose GEMMs run in bfloat16 hands over q, k, v in it (model.Block).
+        self.bf16_inputs = self.torch_bf16
         self.kernel = None if self.torch_bf16 else prefill_kernel(self.pool, bf16)
         if self.kernel is not None:
             self.pages = kv.table()[: pages_for(start + new, self.pool.page_tokens)].to(torch.int32)

@@ -31,7 +31,8 @@ medians of 8), a cold 2,048-token one as fast.
 In bfloat16 (`bf16`, Decoder.use_bf16_gemms, `EngineSettings.gemm`), the slices are
 dequantized to bfloat16 (the file's values rounded to the nearest even) into the same
 buffer, the activations rounded to bfloat16, and oneDNN's bfloat16 GEMM sums the products
-in float32 and rounds the result to bfloat16 (returned as float32). Where the CPU has AMX
+in float32 and rounds the result to bfloat16 (returned as float32, or as bfloat16 where the
+caller keeps its activations in it: `out_bf16`, Block's prefill). Where the CPU has AMX
 tiles this is ~4-8x the float32 GEMM's speed (a 2-vCPU Xeon, SmolLM2's shapes: 1.0-2.3
 against 0.24-0.29 TFLOP/s), but ~0.65x where it has AVX512_BF16 alone (a Xeon whose VM
 hides AMX), so the engine takes it only where it measures faster (gemm.bf16_gemms_fast);
@@ -104,16 +105,20 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 4
 
-    def __call__(self, x: Tensor, bf16: bool = False) -> Tensor:
-        """x [..., K] float32 -> x @ W.T [..., N] float32. `bf16`: a GEMM of more than
-        DIRECT_ROWS rows multiplies in bfloat16 (see the top)."""
+    def __call__(self, x: Tensor, bf16: bool = False, out_bf16: bool = False) -> Tensor:
+        """x [..., K] float32 (or bfloat16) -> x @ W.T [..., N] float32. `bf16`: a GEMM of
+        more than DIRECT_ROWS rows multiplies in bfloat16 (see the top), and with `out_bf16`
+        returns its bfloat16 result as it is (no float32 copy: the same values)."""
         if x.shape[-1] != self.in_features:
             raise EngineError(f"{x.shape[-1]} inputs for a weight of {self.in_features}")
         rows = x.numel() // self.in_features
         direct = self._direct() if rows <= DIRECT_ROWS and x.device.type == "cpu" else None
         if direct is None:
-            x2 = x.reshape(rows, self.in_features).float()
-            return self._sliced(x2, bf16).view(*x.shape[:-1], self.out_features)
+            x2 = x.reshape(rows, self.in_features)
+            if not (bf16 and x2.dtype == torch.bfloat16):
+                x2 = x2.float()
+            out2 = self._sliced(x2, bf16, out_bf16 and bf16)
+            return out2.view(*x.shape[:-1], self.out_features)
         gemm, qs, scales = direct
         x2 = x.float().contiguous()
         out = x2.new_empty(*x.shape[:-1], self.out_features)
@@ -121,7 +126,7 @@ class QuantWeight:
                     self.in_features, torch.get_num_threads()))  # fmt: skip
         return out
 
-    def _sliced(self, x2: Tensor, bf16: bool = False) -> Tensor:
+    def _sliced(self, x2: Tensor, bf16: bool = False, out_bf16: bool = False) -> Tensor:
         n, k = self.out_features, self.in_features
         dtype = torch.bfloat16 if bf16 else torch.float32
         step = min(n, max(1, SLICE_FLOATS // k))
@@ -130,8 +135,9 @@ class QuantWeight:
             if buf is not None and bf16:
                 buf = buf.view(dtype)
             if step == n:
-                return dense(xin, self.dequantize(out=buf, dtype=dtype)).float()
-            out = x2.new_empty(x2.shape[0], n)
+                whole = dense(xin, self.dequantize(out=buf, dtype=dtype))
+                return whole if out_bf16 else whole.float()
+            out = x2.new_empty(x2.shape[0], n, dtype=dtype if out_bf16 else torch.float32)
             for a in range(0, n, step):
                 b = min(a + step, n)
                 out[:, a:b] = dense(xin, self.dequantize(a, b, out=buf, dtype=dtype))

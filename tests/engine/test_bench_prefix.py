@@ -30,8 +30,8 @@ def test_the_ceiling_times_the_prefills_own_gemms_and_attention(
     work = {"gemm": 0, "attention": 0}
     gemm, attend = Block._gemm, PagedPrefill.__call__
 
-    def counted_gemm(self: Block, name: str, x: torch.Tensor) -> torch.Tensor:
-        out = gemm(self, name, x)
+    def counted_gemm(self: Block, name: str, x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        out = gemm(self, name, x, *rest)
         work["gemm"] += out.numel() * x.shape[-1]  # multiply-adds
         return out
 

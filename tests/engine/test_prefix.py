@@ -155,6 +155,57 @@ def test_bfloat16_prefill_gemms_stay_near_float32(
     assert torch.equal(engine.prefill(tokens, all_logits=True).logits, reference)
 
 
+@pytest.mark.parametrize("repeats", [6, 45], ids=["one-pass", "row-chunks"])
+def test_bfloat16_activations_between_bfloat16_gemms_stay_as_near(
+    engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch,
+    repeats: int,
+) -> None:
+    """With bfloat16 GEMMs and torch's bfloat16 attention, a prefill keeps the GEMMs' and
+    attention's inputs and outputs in bfloat16 (model.Block._prefill_dtypes): the attention
+    backend is handed bfloat16 q, k, v. The logits stay as near float32's as the float32
+    copies between them did (BF16_GEMM_LOGIT_GAP), with the same next token, in one pass
+    and over ROW_CHUNK's row chunks; cold and over a cached prefix alike."""
+    import mooncake.engine.model as model_module
+
+    monkeypatch.setattr(model_module, "bf16_gemms_fast", gemm.bf16_instructions)
+    monkeypatch.setattr(paged, "torch_bf16_attention_speedup", lambda dim, page: 2.0)
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 0.0)
+    tokens = chat(" ".join([PROMPT] * repeats))
+    assert (len(tokens) > model_module.ROW_CHUNK) == (repeats > 10)
+    reference = engine.prefill(tokens, all_logits=True).logits
+    seen: list[torch.dtype] = []
+    attend = paged.PagedPrefill.__call__
+
+    def spy(self: paged.PagedPrefill, layer: int, q: torch.Tensor, *kv: torch.Tensor) -> object:
+        seen.append(q.dtype)
+        return attend(self, layer, q, *kv)
+
+    try:
+        bf16 = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
+                      gemm="bfloat16", attention="bfloat16")  # fmt: skip
+        if bf16.prefill_gemm != "bfloat16" or bf16.prefill_attention != "torch bfloat16":
+            pytest.skip("no bfloat16 matrix instructions here (AMX, AVX512_BF16)")
+        copies = model_module.Block._prefill_dtypes
+        monkeypatch.setattr(model_module.Block, "_prefill_dtypes",
+                            lambda self, x, backend: (x.dtype, x.dtype))  # fmt: skip
+        with_copies = bf16.prefill(tokens, all_logits=True).logits
+        monkeypatch.setattr(model_module.Block, "_prefill_dtypes", copies)
+        monkeypatch.setattr(paged.PagedPrefill, "__call__", spy)
+        cold = bf16.prefill(tokens, all_logits=True)
+        assert set(seen) == {torch.bfloat16}
+        for got in (with_copies, cold.logits):
+            assert 0 < (got - reference).abs().max().item() < BF16_GEMM_LOGIT_GAP
+            assert got[-1].argmax() == reference[-1].argmax()
+        blocks = bf16.blocks(cold.kv)
+        part = bf16.prefill(tokens, prefix=bf16.prefix_from_blocks(blocks[:1]), all_logits=True)
+        want = reference[part.cached_tokens :]
+        assert (part.logits - want).abs().max().item() < BF16_GEMM_LOGIT_GAP
+        assert part.logits[-1].argmax() == want[-1].argmax()
+    finally:
+        engine.model.use_bf16_gemms(False)
+    assert engine.prefill_gemm == "float32"
+
+
 def test_bfloat16_gemms_fall_back_to_float32_where_the_cpu_lacks_them(
     engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -210,6 +210,12 @@ def test_bfloat16_products_are_float32s_within_their_rounding(type_name: str) ->
     assert 0 < (got - exact).abs().max().item() <= 0.02 * scale  # it did round, not far
     few = x[:DIRECT_ROWS]
     assert torch.equal(w(few, bf16=True), w(few))
+    # Left in bfloat16 (a prefill's activations between GEMMs): the same values, and a
+    # bfloat16 input is the float32 one as the GEMM rounds it.
+    kept = w(x, bf16=True, out_bf16=True)
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept.float(), got)
+    assert torch.equal(w(x.bfloat16(), bf16=True), got)
+    assert w(few, out_bf16=True).dtype == torch.float32  # no bfloat16 GEMM, nothing kept
 
 
 def test_without_a_compiler_the_torch_path_gives_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
