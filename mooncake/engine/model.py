@@ -239,7 +239,9 @@ class Block(nn.Module):
         x = x + self._gemm("o", out.transpose(1, 2).reshape(b, s, -1), bf)
         return x + self._mlp(self.ffn_norm(x, act), bf), k, v
 
-    def _prefill_dtypes(self, x: Tensor, backend: AttentionBackend) -> tuple[torch.dtype, torch.dtype]:
+    def _prefill_dtypes(
+        self, x: Tensor, backend: AttentionBackend
+    ) -> tuple[torch.dtype, torch.dtype]:
         """The dtypes of a prefill's GEMM activations and of the q, k, v it hands `backend`.
         Where the block's GEMMs multiply in bfloat16 (all over quantized weights, on the
         CPU, more rows than a decode batch), their inputs and outputs stay bfloat16 between

@@ -157,7 +157,9 @@ def test_bfloat16_prefill_gemms_stay_near_float32(
 
 @pytest.mark.parametrize("repeats", [6, 45], ids=["one-pass", "row-chunks"])
 def test_bfloat16_activations_between_bfloat16_gemms_stay_as_near(
-    engine: Engine, chat: Callable[[str], list[int]], monkeypatch: pytest.MonkeyPatch,
+    engine: Engine,
+    chat: Callable[[str], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
     repeats: int,
 ) -> None:
     """With bfloat16 GEMMs and torch's bfloat16 attention, a prefill keeps the GEMMs' and
