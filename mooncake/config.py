@@ -263,6 +263,10 @@ class ConductorSettings(BaseModel):
     # the store master holds store.max_objects. A key past it is not indexed (a cache miss,
     # never a wrong hit), with a warning.
     max_index_keys: Annotated[int, Field(ge=1)] = 2_000_000
+    # A request in flight that the Conductor has heard nothing of for this long has its
+    # terminal slot read; one that ended (its end event lost on the way) leaves the view
+    # (serving/conductor_sweep.py).
+    inflight_check_after_s: Annotated[float, Field(gt=0)] = 60.0
     # Prefill / decode-step time predictor: a `mooncake profile engine` JSON (fitted
     # polynomial), or None for the analytic model of the paper's reference hardware.
     cost_profile: Path | None = None

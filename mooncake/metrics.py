@@ -172,6 +172,10 @@ TTFT_MARGIN = Gauge(
     "The factor rejecting admission policies judge predicted TTFT by: a quantile of "
     "observed / predicted TTFT of the latest requests (1 until there are enough)",
 )
+CONDUCTOR_INFLIGHT_SWEPT = Counter(
+    "mc_conductor_inflight_swept_total",
+    "Requests the Conductor's sweep took out of its view: ended, their end event never heard",
+)
 REQUESTS_ENDED_BY_CONDUCTOR = Counter(
     "mc_conductor_terminal_total",
     "Terminal events the Conductor published (failed after retries, cancelled), by type",

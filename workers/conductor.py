@@ -64,6 +64,7 @@ from mooncake.serving import conductor_dispatch as dispatch
 from mooncake.serving.conductor_feed import LiveFeed, Liveness, Member
 from mooncake.serving.conductor_reaper import Reaper
 from mooncake.serving.conductor_setup import build_costs, conductor_config, online_model
+from mooncake.serving.conductor_sweep import InflightSweep
 from mooncake.serving.conductor_terminal import (
     Known,
     KnownRequests,
@@ -153,6 +154,10 @@ class Conductor:
         self.liveness = Liveness(s.conductor.liveness_timeout_s)
         # Tokens read back for clients that may not read MC_TOKENS (the gateway).
         self.read_back = TokenReadBack(ctx.nc, ctx.js, ctx.ns)
+        self.sweep = InflightSweep(
+            self.view, terminal_kv, s.conductor.inflight_check_after_s,
+            lambda rid: self.feed.apply(cl.RequestDropped(rid)), clock=clock,
+        )  # fmt: skip
         self.feed = LiveFeed(
             ctx.nc, ctx.ns, self.view, self.liveness,
             on_dead=self._on_dead, on_fact=self._on_fact,
@@ -607,8 +612,10 @@ class Conductor:
     async def start(self) -> None:
         await self.feed.start()
         await self.read_back.start()
+        self.sweep.start()
 
     async def stop(self) -> None:
+        await self.sweep.stop()
         await self.read_back.stop()
         await self.feed.stop()
         await self.reaper.stop()

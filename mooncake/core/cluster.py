@@ -21,6 +21,7 @@ would be O(N)); the facts are frozen values, and readers get plain values back.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -233,6 +234,12 @@ class Inflight:
     sampled: bool = True
     stage_instances: tuple[str, ...] = ()  # CPP: the group's other prefill instances
     tenant: str = DEFAULT_TENANT
+    checked_at: float | None = None  # when the sweep last found it still running
+
+    @property
+    def seen_at(self) -> float:
+        """Since when it is known to run: its admission, or the sweep's last look."""
+        return self.admitted_at if self.checked_at is None else self.checked_at
 
     @property
     def prefill_group(self) -> tuple[str, ...]:
@@ -322,6 +329,20 @@ class ClusterView:
 
     def decode_instances(self) -> Iterator[DecodeInstance]:
         return iter(self.decode_order)
+
+    def unchecked(self, before: float, limit: int) -> list[str]:
+        """Up to `limit` in-flight requests not known to run since `before` (admitted, or last
+        checked, earlier), the longest unknown first: what the Conductor's sweep asks the
+        terminal slots about (serving/conductor_sweep.py). Each is asked once per sweep
+        period, not on every sweep, however long it runs."""
+        old = (r for r in self.inflight.values() if r.seen_at < before)
+        return [r.request_id for r in heapq.nsmallest(limit, old, key=lambda r: r.seen_at)]
+
+    def still_running(self, request_ids: Sequence[str], now: float) -> None:
+        """The sweep found these running at `now` (their terminal slots are empty)."""
+        for rid in request_ids:
+            if (r := self.inflight.get(rid)) is not None:
+                r.checked_at = now
 
     def bound_to(self, instance: str) -> list[str]:
         """In-flight requests that name `instance` (as prefill or decode): work for them may

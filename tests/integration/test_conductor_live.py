@@ -856,3 +856,31 @@ async def test_a_decision_records_which_kv_indexes_it_read_as_not_exact(
         assert kv_index["node_states"] == {"n1": "resyncing"}
         assert kv_index["instance_states"] == {"p1": "degraded"}
         assert out["inputs"]["ssd_prefix_blocks"] == 0
+
+
+async def test_a_request_whose_end_never_reached_the_conductor_is_swept_out_of_its_view(
+    nats_url: str, namespace: str
+) -> None:
+    """Lifecycle events reach the Conductor on core subscriptions: an end published while it
+    was cut off is lost to it. Its sweep reads the terminal slot of every request it has not
+    heard of for `inflight_check_after_s`: the one that ended leaves the queues it held, the
+    one still running stays."""
+    s = live_settings(nats_url, namespace, conductor={"inflight_check_after_s": 0.4})
+    async with live(s) as (cl, conductor):
+        cl.instances |= {"p1": Fake("prefill", "n1"), "d1": Fake("decode", "n2")}
+        await known(conductor, "p1", "d1")
+        for rid in ("r-ended-unheard", "r-running"):
+            await cl.submit(rid, token_ids=tokens(2 * BT, salt=len(rid)))
+            assert (await cl.outcome(rid))["type"] == "request.admitted"
+        assert {"r-ended-unheard", "r-running"} <= set(conductor.view.inflight)
+        # Ended by a decode whose RequestCompleted the Conductor never got (not published
+        # here at all): only the terminal slot says so.
+        kv = conductor.ender.kv
+        assert await terminal.claim(kv, "r-ended-unheard", "completed", "done-1")
+
+        async def swept() -> bool:
+            return "r-ended-unheard" not in conductor.view.inflight
+
+        await until(swept, 5, "the sweep to take the ended request out")
+        assert "r-running" in conductor.view.inflight
+        assert "r-ended-unheard" not in conductor.view.prefill["p1"].queued
