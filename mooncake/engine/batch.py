@@ -153,7 +153,9 @@ class DecodeBatch:
         seqs = self._make_room()
         if not seqs:
             return []
-        with self.engine.turns.turn():  # the host's CPUs, for this step (engine.turns)
+        # The host's CPUs for this step (engine.turns); on one thread or all of them,
+        # whichever measures faster for this batch (engine.threads), timed inside the turn.
+        with self.engine.turns.turn(), self.engine.step_threads.step(len(seqs)):
             logits = self._logits(seqs)
         for s in seqs:
             s.kv.length += 1

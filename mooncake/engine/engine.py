@@ -24,6 +24,7 @@ from mooncake.engine.kv import BlockLayout
 from mooncake.engine.model import NO_HOOKS, Decoder, LayerHooks
 from mooncake.engine.paged import PagedPrefill, prefill_attention_choice
 from mooncake.engine.pool import KVPool, KVPoolExhausted, PagedKV, page_tokens_for
+from mooncake.engine.threads import StepThreads
 from mooncake.engine.tokenizer import ChatTokenizer
 from mooncake.engine.turns import NO_TURNS, TurnHooks, Turns
 from mooncake.hashing import DEFAULT_CACHE_NAMESPACE, request_keys
@@ -89,6 +90,9 @@ class Engine:
         fast = decode == "fused"
         self.fused = FusedDecode.of(model, self.pool) if fast else None
         self.graphs = GraphDecode.of(model, self.pool) if fast else None
+        # A fused step's thread count, one or all, whichever measures faster per batch size
+        # (engine.threads): its results do not depend on it.
+        self.step_threads = StepThreads(applies=self.fused is not None)
         # "bfloat16": prefill attention's products in bfloat16 where the CPU has them and
         # they measure faster (EngineSettings.attention; paged.prefill_kernel).
         self.attention = attention
