@@ -63,7 +63,8 @@ RSS_PARTS = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
 
 def rss_parts(pid: int) -> dict[str, int]:
     """What a process's RSS is made of (bytes): anonymous memory (heap, the KV pool),
-    file pages (libraries, mapped model files), shared memory (store segments)."""
+    file pages (libraries, mapped model files), shared memory (store segments); and
+    `private`, anon + file: RSS less the shared segments, what the process holds itself."""
     out = {}
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
@@ -73,6 +74,8 @@ def rss_parts(pid: int) -> dict[str, int]:
                     out[RSS_PARTS[fields[0]]] = int(fields[1]) * 1024
     except (OSError, ValueError):
         return {}
+    if out:
+        out["private"] = out.get("anon", 0) + out.get("file", 0)
     return out
 
 
@@ -116,7 +119,8 @@ class MemoryWatch:
         self.stack = stack
         self.interval_s, self.supervise_s, self.pss_s = interval_s, supervise_s, pss_s
         self.peaks: dict[str, int] = {}  # worker name -> largest RSS seen, bytes
-        # worker name -> part (anon, file, shmem; pss) -> its largest, bytes (the worker alone)
+        # worker name -> part (anon, file, shmem, private; pss) -> its largest, bytes (the
+        # worker alone)
         self.part_peaks: dict[str, dict[str, int]] = defaultdict(dict)
         self.infra_peaks: dict[str, int] = {}  # nats-server, postgres
         self.exits: list[Exit] = []

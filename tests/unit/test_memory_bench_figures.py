@@ -106,6 +106,11 @@ def test_only_engine_roles_have_a_bound() -> None:
     with_parts = role_figures({"decode-1": 900 * mib}, 100 * mib, 200 * mib, parts)
     assert with_parts["decode-1"]["peak_anon_mb"] == 600.0
     assert with_parts["decode-1"]["peak_shmem_mb"] == 256.0
+    private = {"decode-1": {"private": 800 * mib, "shmem": 900 * mib}}
+    over_by_segments = role_figures({"decode-1": 1700 * mib}, 100 * mib, 200 * mib, private)
+    assert not within_bound(over_by_segments["decode-1"])  # RSS 1700 > 900
+    assert within_bound(over_by_segments["decode-1"], "peak_private_mb")  # 800 <= 900
+    assert not within_bound(with_parts["decode-1"], "peak_private_mb")  # not sampled: fails
     assert [within_bound(r) for r in roles.values()] == [True, True, True]
     assert not within_bound({"peak_rss_mb": 900.1, "bound_mb": 900.0})
 
@@ -169,11 +174,32 @@ def test_tree_rss_counts_children() -> None:
         assert tree["me"] >= psutil.Process().memory_info().rss + (60 << 20)
         assert "gone" not in tree
         parts = memwatch.rss_parts(child.pid)
-        assert parts["anon"] >= 60 << 20 and set(parts) == {"anon", "file", "shmem"}
+        assert parts["anon"] >= 60 << 20 and set(parts) == {"anon", "file", "shmem", "private"}
+        assert parts["private"] == parts["anon"] + parts["file"]
         assert memwatch.rss_parts(2**22 + 7) == {}
         pss = memwatch.pss_bytes(child.pid)
         assert pss is not None and pss >= 60 << 20
         assert memwatch.pss_bytes(2**22 + 7) is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_mapped_shared_segment_is_in_rss_but_not_in_what_the_process_holds_itself() -> None:
+    """The store's segments an engine worker maps count in its RSS (RssShmem) once per mapper;
+    `private` (what `bench memory`'s bound check reads) leaves them out."""
+    code = (
+        "from multiprocessing import shared_memory as s; m = s.SharedMemory(create=True,"
+        " size=64 << 20); m.buf[:] = b'x' * (64 << 20); print(flush=True); import time;"
+        " time.sleep(30)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        child.stdout.readline()  # the segment is written (and a 64 MiB bytes object freed)
+        parts = memwatch.rss_parts(child.pid)
+        assert parts["shmem"] >= 60 << 20
+        assert parts["private"] < psutil.Process(child.pid).memory_info().rss - (60 << 20)
     finally:
         child.kill()
         child.wait()
