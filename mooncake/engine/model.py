@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mooncake.engine import native
 from mooncake.engine.gemm import (
     ONEDNN,
     PACKED_ONLY,
@@ -125,6 +126,21 @@ def causal_suffix_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
 
 
+_ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _row_kernels(x: Tensor, cos: Tensor, att: torch.dtype) -> native.RowKernels | None:
+    """The native RoPE of a prefill's rows (native.RowKernels), where it applies: a CPU
+    prefill of one sequence, more rows than a decode batch, float32 RoPE tables as
+    `Decoder.rope` makes them, float32 or bfloat16 activations. Bit for bit the torch
+    path's result (tests/engine/test_prefill_rows.py)."""
+    if (x.device.type != "cpu" or x.shape[0] != 1 or x.shape[1] <= DIRECT_ROWS
+            or x.dtype not in _ROW_DTYPES or att not in _ROW_DTYPES
+            or cos.dtype != torch.float32 or not cos.is_contiguous()):  # fmt: skip
+        return None
+    return native.load_rows()
+
+
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -223,21 +239,50 @@ class Block(nn.Module):
         bf = act != x.dtype
         h = self.attn_norm(x, act)
         qkv = self._gemm("qkv", h, bf)
+        if (rows := _row_kernels(x, cos, att)) is not None:  # one pass for RoPE and the layout
+            q, k, v = self._rope_native(rows, qkv, cos, sin, att, last_only)
+        else:
+            q, k, v = self._rope_torch(qkv, cos, sin, att, last_only)
+        if last_only:
+            x = x[:, -1:]
+        out = backend(layer, q, k, v)
+        b, _, s, _ = out.shape
+        x = x + self._gemm("o", out.transpose(1, 2).reshape(b, s, -1), bf)
+        return x + self._mlp(self.ffn_norm(x, act), bf), k, v
+
+    def _rope_torch(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, att: torch.dtype, last_only: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q (of the last position only, with `last_only`), k and v out of the fused GEMM's
+        result [B, S, ...], q and k RoPE'd, [B, heads, S, D], in `att`."""
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
-        if last_only and x.shape[1] > 1:
-            x, q = x[:, -1:], apply_rope(self._split(q[:, -1:], self.heads), cos[:, :, -1:],
-                                         sin[:, :, -1:])  # fmt: skip
+        if last_only and qkv.shape[1] > 1:
+            q = apply_rope(self._split(q[:, -1:], self.heads), cos[:, :, -1:], sin[:, :, -1:])
             k = apply_rope(self._split(k, self.kv_heads), cos, sin)
         else:  # q and k rotated together: half the small ops of a decode step's RoPE
             qk = apply_rope(self._split(qkv[..., : nq + nkv], self.heads + self.kv_heads), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = self._split(v, self.kv_heads)
-        q, k, v = q.to(att), k.to(att), v.to(att)  # RoPE ran in float32 (cos, sin are)
-        out = backend(layer, q, k, v)
-        b, _, s, _ = out.shape
-        x = x + self._gemm("o", out.transpose(1, 2).reshape(b, s, -1), bf)
-        return x + self._mlp(self.ffn_norm(x, act), bf), k, v
+        return q.to(att), k.to(att), v.to(att)  # RoPE ran in float32 (cos, sin are)
+
+    def _rope_native(
+        self,
+        rows: native.RowKernels,
+        qkv: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        att: torch.dtype,
+        last_only: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`_rope_torch`'s result, contiguous, by the native kernel (one sequence)."""
+        s = qkv.shape[1]
+        s_q = 1 if last_only else s
+        q = qkv.new_empty(1, self.heads, s_q, self.head_dim, dtype=att)
+        k = qkv.new_empty(1, self.kv_heads, s, self.head_dim, dtype=att)
+        v = torch.empty_like(k)
+        rows.rope_qkv(qkv[0], cos[0, 0], sin[0, 0], q[0], k[0], v[0], 0, s - s_q, 0)
+        return q, k, v
 
     def _prefill_dtypes(
         self, x: Tensor, backend: AttentionBackend
@@ -277,10 +322,16 @@ class Block(nn.Module):
         q = x.new_empty(b, self.heads, s_q, hd, dtype=att)
         k = x.new_empty(b, self.kv_heads, s, hd, dtype=att)
         v = x.new_empty(b, self.kv_heads, s, hd, dtype=att)
+        rows = _row_kernels(x, cos, att)
         for a in range(0, s, ROW_CHUNK):
             z = min(a + ROW_CHUNK, s)
             qkv = self._gemm("qkv", self.attn_norm(x[:, a:z], act), bf)
             c, sn = cos[:, :, a:z], sin[:, :, a:z]
+            if rows is not None:  # one pass for RoPE and the layout (q: all, or the last)
+                q_from = z - a if last_only and z < s else (z - a - 1 if last_only else 0)
+                rows.rope_qkv(qkv[0], c[0, 0], sn[0, 0], q[0], k[0], v[0], a, q_from,
+                              0 if last_only else a)  # fmt: skip
+                continue
             k[:, :, a:z] = apply_rope(self._split(qkv[..., nq : nq + nkv], self.kv_heads), c, sn)
             v[:, :, a:z] = self._split(qkv[..., nq + nkv :], self.kv_heads)
             if not last_only:

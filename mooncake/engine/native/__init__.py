@@ -2,7 +2,8 @@
 prefill attention over it (`prefill_attention.c`: a prompt's new tokens over its cached
 prefix and themselves, read in place from the pages), GEMMs over block-quantized weights
 (`quant_gemm.c`, see `engine.quant`), and a whole decoder layer of a decode step
-(`decode_layer.c`, see `engine.fused`).
+(`decode_layer.c`, see `engine.fused`), and a prefill's row-wise steps between its GEMMs
+(`prefill_rows.c`: RoPE and the head-major layout of q, k, v).
 
 torch has no CPU kernel that reads attention keys through a page table: gathering every
 sequence's pages into a padded tensor first costs a full extra copy of the batch's KV per
@@ -45,6 +46,7 @@ SOURCE = Path(__file__).with_name("paged_attention.c")
 QUANT_SOURCE = Path(__file__).with_name("quant_gemm.c")
 LAYER_SOURCE = Path(__file__).with_name("decode_layer.c")  # includes the two above
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.c")  # includes paged_attention.c
+ROWS_SOURCE = Path(__file__).with_name("prefill_rows.c")
 # Not -ffast-math: gcc links crtfastmath.o into a shared object built with it, which sets
 # flush-to-zero / denormals-are-zero for the whole process when the kernel is loaded (every
 # torch op of the worker would then flush subnormals). The kernel's loops keep independent
@@ -400,3 +402,65 @@ def _load_decode_layer(head_dim: int, page_tokens: int) -> DecodeLayer | None:
     layers.argtypes, layers.restype = [ctypes.POINTER(MCLayerArgs), ctypes.c_int], ctypes.c_int
     scratch.argtypes, scratch.restype = [ctypes.c_int] * 5, ctypes.c_long
     return DecodeLayer(layers, scratch)
+
+
+@dataclass(frozen=True)
+class RowKernels:
+    """prefill_rows.c's function (see there): `rope_qkv`."""
+
+    rope: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def rope_qkv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_row0: int,
+        q_from: int,
+        q_row0: int,
+    ) -> None:
+        """Rows of one sequence's fused q/k/v GEMM result `qkv` [rows, (heads + 2 kv_heads)
+        * D] (bfloat16 or float32, rows contiguous), cos, sin [rows, R] float32 contiguous,
+        into q [heads, q_len, D] (rows q_from.. at q_row0..) and k, v [kv_heads, kv_len, D]
+        (at kv_row0..), all three contiguous and of one dtype (bfloat16 or float32)."""
+        rows, width = qkv.shape
+        heads, q_len, dim = q.shape
+        kv_heads, kv_len, _ = k.shape
+        ok = (
+            width == (heads + 2 * kv_heads) * dim
+            and qkv.stride(1) == 1
+            and q.dtype == k.dtype == v.dtype
+            and {qkv.dtype, q.dtype} <= {torch.float32, torch.bfloat16}
+            and cos.dtype == sin.dtype == torch.float32
+            and all(t.is_contiguous() for t in (q, k, v, cos, sin))
+            and cos.shape == sin.shape == (rows, cos.shape[-1])
+            and kv_row0 + rows <= kv_len
+            and q_row0 + max(0, rows - q_from) <= q_len
+        )
+        if not ok or self.rope(
+            qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), qkv.stride(0), rows, heads,
+            kv_heads, dim, cos.shape[-1], cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+            k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), q_len, kv_len,
+            kv_row0, q_from, q_row0, torch.get_num_threads(),
+        ):  # fmt: skip
+            raise RuntimeError(f"rope_qkv: shapes it does not take ({tuple(qkv.shape)})")
+
+
+def load_rows() -> RowKernels | None:
+    """The prefill row kernels, built on first use (None: none can be built here)."""
+    return _once(("rows",), _load_rows)
+
+
+def _load_rows() -> RowKernels | None:
+    lib = _open(ROWS_SOURCE, (), "prefill row kernels")
+    if lib is None:
+        return None
+    ptr, i32, lng = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    rope = lib.mc_rope_qkv
+    rope.argtypes = [ptr, i32, lng, lng, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32,
+                     lng, lng, lng, lng, lng, i32]  # fmt: skip
+    rope.restype = i32
+    return RowKernels(rope)
