@@ -811,6 +811,13 @@ class RateRun(BenchModel):
     output_tokens: int = Field(description="Output tokens of the completed")
     span_s: float = Field(description="First send to last end (s)")
     peak_pss_mb: float | None = Field(description="Peak PSS during the run (MiB; null: none)")
+    cpu_s: dict[str, float] | None = Field(
+        description="CPU seconds the server's processes used meanwhile, by role (ours: the"
+        " worker roles, nats-server, postgres; vLLM's: process names); null: not measured"
+    )
+    cpu_busy: float | None = Field(
+        description="Their CPU seconds over the run's seconds x the CPUs (1: all busy)"
+    )
 
 
 class ServerFigures(BenchModel):

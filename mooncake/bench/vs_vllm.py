@@ -40,6 +40,7 @@ from mooncake.bench.memwatch import pss_bytes
 from mooncake.bench.vs_vllm_figures import (
     Answer,
     Ask,
+    CpuUse,
     PeakSearch,
     Workload,
     asks,
@@ -48,6 +49,7 @@ from mooncake.bench.vs_vllm_figures import (
     run_figures,
     summary,
 )
+from mooncake.cpus import available, parse_cpus
 from mooncake.services import free_port
 from mooncake.trace import SHIPPED_CONVERSATION, TraceRequest, block_tokens, load_trace
 
@@ -182,13 +184,31 @@ def lone_ask(work: Workload, seed: int) -> Ask:
 # --- memory --------------------------------------------------------------------------------------
 
 
+def process_role(p: psutil.Process) -> str:
+    """What a process of a server's tree is: our worker's role (`worker prefill ...`), else
+    its name (nats-server, postgres, python for vLLM's server and the `up` supervisor)."""
+    try:
+        cmd = p.cmdline()
+        if "worker" in cmd[:-1]:
+            return cmd[cmd.index("worker") + 1]
+        return p.name()
+    except (psutil.Error, IndexError):
+        return "?"
+
+
 class PssWatch:
-    """The largest PSS sum over a process and its descendants, sampled from a thread."""
+    """The largest PSS sum over a process and its descendants, sampled from a thread; and
+    the CPU time each of them used between two `take_cpu`s (by role, `process_role`),
+    from the samples (a process that ends loses its last interval)."""
 
     def __init__(self, pid: int, interval_s: float = 1.0) -> None:
         self.pid, self.interval_s = pid, interval_s
         self.peak = 0  # since start
         self.window = 0  # since the last `reset`
+        # pid -> (role, CPU seconds at its first sample since `take_cpu`, at its latest)
+        self._cpu: dict[int, tuple[str, float, float]] = {}
+        self._since = time.monotonic()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pss-watch", daemon=True)
 
@@ -204,6 +224,18 @@ class PssWatch:
         seen, self.window = self.window, 0
         return seen
 
+    def take_cpu(self) -> tuple[dict[str, float], float]:
+        """(CPU seconds by role, seconds) since the last call (or the start)."""
+        self.sample()
+        with self._lock:
+            by_role: dict[str, float] = {}
+            for role, first, last in self._cpu.values():
+                by_role[role] = by_role.get(role, 0.0) + last - first
+            now, since = time.monotonic(), self._since
+            self._cpu = {pid: (role, last, last) for pid, (role, _, last) in self._cpu.items()}
+            self._since = now
+        return dict(sorted(by_role.items())), now - since
+
     def sample(self) -> int:
         try:
             root = psutil.Process(self.pid)
@@ -212,6 +244,15 @@ class PssWatch:
             return 0
         total = sum(pss_bytes(p.pid) or 0 for p in procs)
         self.peak, self.window = max(self.peak, total), max(self.window, total)
+        with self._lock:
+            for p in procs:
+                try:
+                    times = p.cpu_times()
+                except psutil.Error:
+                    continue
+                used = times.user + times.system
+                role, first, _ = self._cpu.get(p.pid) or (process_role(p), used, used)
+                self._cpu[p.pid] = (role, first, used)
         return total
 
     def _run(self) -> None:
@@ -324,8 +365,11 @@ async def measure_speed(
     servers and distinct across speeds)."""
     run = asks(trace, opts.work, speed, seed=seed_of(speed))
     watch.reset()
+    watch.take_cpu()
     answers = await run_asks(url, model, run, opts.request_timeout_s)
-    out = run_figures(answers, opts.ttft_slo_s, opts.tbt_slo_s, watch.reset() or None)
+    cpus = len(parse_cpus(opts.cpus)) if opts.cpus else len(available())
+    cpu = CpuUse(*watch.take_cpu(), cpus=cpus)
+    out = run_figures(answers, opts.ttft_slo_s, opts.tbt_slo_s, watch.reset() or None, cpu)
     return {"speed": speed, "rate_rps": round(rate_of(trace, speed), 4)} | out
 
 

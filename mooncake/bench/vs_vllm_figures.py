@@ -108,10 +108,29 @@ def good(a: Answer, ttft_slo_s: float, tbt_slo_s: float) -> bool:
     return a.completed and ttft is not None and ttft <= ttft_slo_s and (tbt or 0.0) <= tbt_slo_s
 
 
+@dataclass(frozen=True, slots=True)
+class CpuUse:
+    """CPU seconds a server's processes used during a run, by role, over `window_s` on
+    `cpus` CPUs."""
+
+    by_role: dict[str, float]
+    window_s: float
+    cpus: int
+
+    def busy(self) -> float:
+        """The share of the CPUs' time they used (1: every CPU busy all the time)."""
+        room = self.window_s * self.cpus
+        return round(sum(self.by_role.values()) / room, 3) if room > 0 else 0.0
+
+
 def run_figures(
-    answers: Sequence[Answer], ttft_slo_s: float, tbt_slo_s: float, peak_pss: int | None
+    answers: Sequence[Answer],
+    ttft_slo_s: float,
+    tbt_slo_s: float,
+    peak_pss: int | None,
+    cpu: CpuUse | None = None,
 ) -> dict[str, Any]:
-    """One server's figures at one rate."""
+    """One server's figures at one rate (`cpu`: what its processes used meanwhile)."""
     done = [a for a in answers if a.completed]
     ends = [a.end_s for a in answers if a.end_s is not None]
     start = min((a.sent_s for a in answers), default=0.0)
@@ -135,6 +154,8 @@ def run_figures(
         "output_tokens": sum(a.tokens for a in done),
         "span_s": round(span, 2),
         "peak_pss_mb": None if peak_pss is None else round(peak_pss / (1 << 20), 1),
+        "cpu_s": None if cpu is None else {k: round(v, 1) for k, v in cpu.by_role.items()},
+        "cpu_busy": None if cpu is None else cpu.busy(),
     }
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from mooncake.bench.vs_vllm_figures import (
     Answer,
+    CpuUse,
     PeakSearch,
     Workload,
     asks,
@@ -81,6 +82,16 @@ def test_one_runs_figures() -> None:
     assert f["tbt_s"]["p90"] == pytest.approx(0.1)
     assert f["prompt_tok_s"] == pytest.approx(200 / 30.2, abs=0.1)
     assert f["peak_pss_mb"] == 3.0
+    assert f["cpu_s"] is None and f["cpu_busy"] is None  # not measured
+    cpu = CpuUse({"decode": 20.04, "prefill": 40.0}, window_s=40.0, cpus=2)
+    with_cpu = run_figures(answers, 10.0, 0.2, None, cpu)
+    assert with_cpu["cpu_s"] == {"decode": 20.0, "prefill": 40.0}
+    assert with_cpu["cpu_busy"] == pytest.approx(0.75, abs=1e-3)  # 60 of 80 CPU-seconds
+    assert CpuUse({}, 0.0, 2).busy() == 0.0
+    from mooncake.bench.schema import RateRun
+
+    for figures in (f, with_cpu):  # what `bench vs-vllm` prints per speed
+        RateRun.model_validate({"speed": 0.2, "rate_rps": 0.8, **figures})
 
 
 def test_the_lone_requests_decode_speed_counts_the_gaps_after_the_first_token() -> None:
@@ -138,3 +149,30 @@ def test_the_top_level_ratios() -> None:
     rates[2]["mooncake"] = run(0.0)
     assert summary(rates, lone, {})["overload_goodput_positive"] is False
     assert summary(rates, lone, {})["pss_ratio"] is None
+
+
+def test_the_watch_counts_each_roles_cpu_seconds_between_two_takes() -> None:
+    """A busy child of the watched process, started as a worker is (`... worker prefill`):
+    its CPU seconds over the window are the prefill role's."""
+    import subprocess
+    import sys
+    import time
+
+    from mooncake.bench.vs_vllm import PssWatch
+
+    busy = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
+    child = f"[sys.executable, '-c', {busy!r}, 'worker', 'prefill']"
+    spawn = f"import subprocess, sys; subprocess.run({child})"
+    root = subprocess.Popen([sys.executable, "-c", spawn])
+    try:
+        with PssWatch(root.pid, interval_s=0.1) as watch:
+            time.sleep(1.0)  # the child is up and sampled
+            watch.take_cpu()
+            time.sleep(1.5)
+            by_role, window = watch.take_cpu()
+        assert window == pytest.approx(1.5, abs=0.3)
+        assert 0.3 < by_role["prefill"] <= window + 0.2  # one busy thread: at most a CPU
+        assert by_role.get("python", 0.0) < 0.2  # the parent only waits
+    finally:
+        root.kill()
+        root.wait()
