@@ -557,7 +557,9 @@ class RoleMemory(BenchModel):
     peak_shmem_mb: float | None = Field(None, description="Where sampled: peak RssShmem (MiB)")
     peak_pss_mb: float | None = Field(None, description="Where sampled: peak PSS (MiB)")
     peak_private_mb: float | None = Field(
-        None, description="Where sampled: peak RssAnon + RssFile in one sample (MiB)"
+        None,
+        description="Where sampled: peak RssAnon + RssFile in one sample, the worker alone"
+        " (peak_rss_mb counts its children too) (MiB)",
     )
 
 
@@ -812,11 +814,12 @@ class RateRun(BenchModel):
     span_s: float = Field(description="First send to last end (s)")
     peak_pss_mb: float | None = Field(description="Peak PSS during the run (MiB; null: none)")
     cpu_s: dict[str, float] | None = Field(
+        None,
         description="CPU seconds the server's processes used meanwhile, by role (ours: the"
-        " worker roles, nats-server, postgres; vLLM's: process names); null: not measured"
+        " worker roles, nats-server, postgres; vLLM's: process names); null: not measured",
     )
     cpu_busy: float | None = Field(
-        description="Their CPU seconds over the run's seconds x the CPUs (1: all busy)"
+        None, description="Their CPU seconds over the run's seconds x the CPUs (1: all busy)"
     )
 
 

@@ -199,14 +199,16 @@ def process_role(p: psutil.Process) -> str:
 class PssWatch:
     """The largest PSS sum over a process and its descendants, sampled from a thread; and
     the CPU time each of them used between two `take_cpu`s (by role, `process_role`),
-    from the samples (a process that ends loses its last interval)."""
+    from the samples: a process that ends loses its last interval, one that starts its
+    first (each at most `interval_s`)."""
 
     def __init__(self, pid: int, interval_s: float = 1.0) -> None:
         self.pid, self.interval_s = pid, interval_s
         self.peak = 0  # since start
         self.window = 0  # since the last `reset`
-        # pid -> (role, CPU seconds at its first sample since `take_cpu`, at its latest)
-        self._cpu: dict[int, tuple[str, float, float]] = {}
+        # (pid, start time: a reused pid is another process) -> (role, CPU seconds at its
+        # first sample since `take_cpu`, at its latest)
+        self._cpu: dict[tuple[int, float], tuple[str, float, float]] = {}
         self._since = time.monotonic()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -232,7 +234,7 @@ class PssWatch:
             for role, first, last in self._cpu.values():
                 by_role[role] = by_role.get(role, 0.0) + last - first
             now, since = time.monotonic(), self._since
-            self._cpu = {pid: (role, last, last) for pid, (role, _, last) in self._cpu.items()}
+            self._cpu = {key: (role, last, last) for key, (role, _, last) in self._cpu.items()}
             self._since = now
         return dict(sorted(by_role.items())), now - since
 
@@ -247,12 +249,12 @@ class PssWatch:
         with self._lock:
             for p in procs:
                 try:
-                    times = p.cpu_times()
+                    times, key = p.cpu_times(), (p.pid, p.create_time())
                 except psutil.Error:
                     continue
                 used = times.user + times.system
-                role, first, _ = self._cpu.get(p.pid) or (process_role(p), used, used)
-                self._cpu[p.pid] = (role, first, used)
+                role, first, _ = self._cpu.get(key) or (process_role(p), used, used)
+                self._cpu[key] = (role, first, used)
         return total
 
     def _run(self) -> None:

@@ -129,14 +129,15 @@ def causal_suffix_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 _ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _row_kernels(x: Tensor, cos: Tensor, att: torch.dtype) -> native.RowKernels | None:
+def _row_kernels(x: Tensor, cos: Tensor, sin: Tensor, att: torch.dtype) -> native.RowKernels | None:
     """The native RoPE of a prefill's rows (native.RowKernels), where it applies: a CPU
     prefill of one sequence, more rows than a decode batch, float32 RoPE tables as
     `Decoder.rope` makes them, float32 or bfloat16 activations. Bit for bit the torch
     path's result (tests/engine/test_prefill_rows.py)."""
     if (x.device.type != "cpu" or x.shape[0] != 1 or x.shape[1] <= DIRECT_ROWS
             or x.dtype not in _ROW_DTYPES or att not in _ROW_DTYPES
-            or cos.dtype != torch.float32 or not cos.is_contiguous()):  # fmt: skip
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or cos.shape != sin.shape or cos.shape[:2] != (1, 1)):  # fmt: skip
         return None
     return native.load_rows()
 
@@ -239,7 +240,7 @@ class Block(nn.Module):
         bf = act != x.dtype
         h = self.attn_norm(x, act)
         qkv = self._gemm("qkv", h, bf)
-        if (rows := _row_kernels(x, cos, att)) is not None:  # one pass for RoPE and the layout
+        if (rows := _row_kernels(x, cos, sin, att)) is not None:  # one pass for RoPE and the layout
             q, k, v = self._rope_native(rows, qkv, cos, sin, att, last_only)
         else:
             q, k, v = self._rope_torch(qkv, cos, sin, att, last_only)
@@ -322,7 +323,7 @@ class Block(nn.Module):
         q = x.new_empty(b, self.heads, s_q, hd, dtype=att)
         k = x.new_empty(b, self.kv_heads, s, hd, dtype=att)
         v = x.new_empty(b, self.kv_heads, s, hd, dtype=att)
-        rows = _row_kernels(x, cos, att)
+        rows = _row_kernels(x, cos, sin, att)
         for a in range(0, s, ROW_CHUNK):
             z = min(a + ROW_CHUNK, s)
             qkv = self._gemm("qkv", self.attn_norm(x[:, a:z], act), bf)

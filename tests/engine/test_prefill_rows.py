@@ -80,7 +80,8 @@ def test_rope_qkv_writes_at_row_offsets_and_only_the_asked_for_q_rows() -> None:
     ROWS.rope_qkv(qkv, cos, sin, q, k, v, a, z - a - 1, 0)  # q: the chunk's last row only
     assert torch.equal(q[:, 0], want_q[:, -1])
     assert torch.equal(k[:, a:z], want_k) and torch.equal(v[:, a:z], want_v)
-    assert not k[:, :a].any() and not k[:, z:].any() and not v[:, z:].any()
+    assert not k[:, :a].any() and not k[:, z:].any()
+    assert not v[:, :a].any() and not v[:, z:].any()
     q_all = torch.zeros(heads, total, dim, dtype=torch.bfloat16)
     ROWS.rope_qkv(qkv, cos, sin, q_all, k, v, a, 0, a)
     assert torch.equal(q_all[:, a:z], want_q) and not q_all[:, :a].any()
@@ -130,19 +131,22 @@ def check_prefills(
             pytest.skip("no bfloat16 matrix instructions here (AMX, AVX512_BF16)")
     tokens = chat(" ".join([prompt] * repeats))
     assert (len(tokens) > model_module.ROW_CHUNK) == (repeats > 10)
-    used: list[int] = []
+    used: list[tuple[bool, torch.dtype]] = []  # (the kernel applies, q, k, v's dtype)
     kernels = model_module._row_kernels
 
-    def spy(*args: object) -> native.RowKernels | None:
-        got = kernels(*args)  # type: ignore[arg-type]
-        used.append(got is not None)
+    def spy(
+        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att: torch.dtype
+    ) -> native.RowKernels | None:
+        got = kernels(x, cos, sin, att)
+        used.append((got is not None, att))
         return got
 
     monkeypatch.setattr(model_module, "_row_kernels", spy)
     cold = engine.prefill(tokens, all_logits=True)
     last = engine.prefill(tokens).logits
     cached = engine.prefill(tokens, prefix=engine.prefix_from_blocks(engine.blocks(cold.kv)[:1]))
-    assert used and all(used)
+    want_att = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    assert used and all(applies and att == want_att for applies, att in used)
     monkeypatch.setattr(model_module, "_row_kernels", lambda *args: None)  # the torch path
     want = engine.prefill(tokens, all_logits=True)
     assert torch.equal(cold.logits, want.logits)

@@ -425,18 +425,24 @@ class RowKernels:
         """Rows of one sequence's fused q/k/v GEMM result `qkv` [rows, (heads + 2 kv_heads)
         * D] (bfloat16 or float32, rows contiguous), cos, sin [rows, R] float32 contiguous,
         into q [heads, q_len, D] (rows q_from.. at q_row0..) and k, v [kv_heads, kv_len, D]
-        (at kv_row0..), all three contiguous and of one dtype (bfloat16 or float32)."""
+        (at kv_row0..), all three contiguous, of one dtype (bfloat16 or float32), on the CPU.
+        qkv's rows and the tables are made contiguous if they are not; anything else that
+        does not fit is refused (RuntimeError) before the C function runs."""
+        qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
         rows, width = qkv.shape
         heads, q_len, dim = q.shape
         kv_heads, kv_len, _ = k.shape
         ok = (
             width == (heads + 2 * kv_heads) * dim
-            and qkv.stride(1) == 1
+            and k.shape == v.shape == (kv_heads, kv_len, dim)
             and q.dtype == k.dtype == v.dtype
             and {qkv.dtype, q.dtype} <= {torch.float32, torch.bfloat16}
             and cos.dtype == sin.dtype == torch.float32
-            and all(t.is_contiguous() for t in (q, k, v, cos, sin))
+            and all(t.device.type == "cpu" for t in (qkv, cos, sin, q, k, v))
+            and all(t.is_contiguous() for t in (q, k, v))
             and cos.shape == sin.shape == (rows, cos.shape[-1])
+            and min(kv_row0, q_from, q_row0) >= 0
             and kv_row0 + rows <= kv_len
             and q_row0 + max(0, rows - q_from) <= q_len
         )
@@ -455,7 +461,9 @@ def load_rows() -> RowKernels | None:
 
 
 def _load_rows() -> RowKernels | None:
-    lib = _open(ROWS_SOURCE, (), "prefill row kernels")
+    # No fused multiply-add (torch's rounding, bit for bit): the source's pragma for gcc, the
+    # flag for any compiler.
+    lib = _open(ROWS_SOURCE, ("-ffp-contract=off",), "prefill row kernels")
     if lib is None:
         return None
     ptr, i32, lng = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
