@@ -329,9 +329,9 @@ class Block(nn.Module):
             qkv = self._gemm("qkv", self.attn_norm(x[:, a:z], act), bf)
             c, sn = cos[:, :, a:z], sin[:, :, a:z]
             if rows is not None:  # one pass for RoPE and the layout (q: all, or the last)
-                q_from = z - a if last_only and z < s else (z - a - 1 if last_only else 0)
-                rows.rope_qkv(qkv[0], c[0, 0], sn[0, 0], q[0], k[0], v[0], a, q_from,
-                              0 if last_only else a)  # fmt: skip
+                # last_only: q is position s-1's alone (this chunk's row s-1-a, if it has it)
+                q_from, q_row0 = (s - 1 - a, 0) if last_only else (0, a)
+                rows.rope_qkv(qkv[0], c[0, 0], sn[0, 0], q[0], k[0], v[0], a, q_from, q_row0)
                 continue
             k[:, :, a:z] = apply_rope(self._split(qkv[..., nq : nq + nkv], self.kv_heads), c, sn)
             v[:, :, a:z] = self._split(qkv[..., nq + nkv :], self.kv_heads)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import mooncake.engine.model as model_module
-from mooncake.engine import Engine, gemm, native, paged
+from mooncake.engine import Engine, native
 from mooncake.engine.model import apply_rope
+from tests.engine.bf16 import bf16_engine
 
 ROWS = native.load_rows()
 needs_kernel = pytest.mark.skipif(ROWS is None, reason="no C compiler here: the torch path runs")
@@ -119,16 +120,11 @@ def check_prefills(
     precision: str,
     prompt: str,
 ) -> None:
-    engine = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
-                    gemm=precision, attention=precision)  # fmt: skip
     if precision == "bfloat16":
-        monkeypatch.setattr(model_module, "bf16_gemms_fast", gemm.bf16_instructions)
-        monkeypatch.setattr(paged, "torch_bf16_attention_speedup", lambda dim, page: 2.0)
-        monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 0.0)
+        engine = bf16_engine(engine, monkeypatch)
+    else:
         engine = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
-                        gemm="bfloat16", attention="bfloat16")  # fmt: skip
-        if engine.prefill_gemm != "bfloat16" or engine.prefill_attention != "torch bfloat16":
-            pytest.skip("no bfloat16 matrix instructions here (AMX, AVX512_BF16)")
+                        gemm="float32", attention="float32")  # fmt: skip
     tokens = chat(" ".join([prompt] * repeats))
     assert (len(tokens) > model_module.ROW_CHUNK) == (repeats > 10)
     used: list[tuple[bool, torch.dtype]] = []  # (the kernel applies, q, k, v's dtype)

@@ -23,6 +23,7 @@ from mooncake.engine import (
     paged,
 )
 from mooncake.engine.engine import Prefilled
+from tests.engine.bf16 import bf16_engine
 
 ATOL = 1e-3
 PROMPT = (
@@ -169,9 +170,6 @@ def test_bfloat16_activations_between_bfloat16_gemms_stay_as_near(
     and over ROW_CHUNK's row chunks; cold and over a cached prefix alike."""
     import mooncake.engine.model as model_module
 
-    monkeypatch.setattr(model_module, "bf16_gemms_fast", gemm.bf16_instructions)
-    monkeypatch.setattr(paged, "torch_bf16_attention_speedup", lambda dim, page: 2.0)
-    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 0.0)
     tokens = chat(" ".join([PROMPT] * repeats))
     assert (len(tokens) > model_module.ROW_CHUNK) == (repeats > 10)
     reference = engine.prefill(tokens, all_logits=True).logits
@@ -183,10 +181,7 @@ def test_bfloat16_activations_between_bfloat16_gemms_stay_as_near(
         return attend(self, layer, q, *kv)
 
     try:
-        bf16 = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
-                      gemm="bfloat16", attention="bfloat16")  # fmt: skip
-        if bf16.prefill_gemm != "bfloat16" or bf16.prefill_attention != "torch bfloat16":
-            pytest.skip("no bfloat16 matrix instructions here (AMX, AVX512_BF16)")
+        bf16 = bf16_engine(engine, monkeypatch)
         copies = model_module.Block._prefill_dtypes
         monkeypatch.setattr(model_module.Block, "_prefill_dtypes",
                             lambda self, x, backend: (x.dtype, x.dtype))  # fmt: skip
