@@ -212,6 +212,15 @@ class EngineSettings(BaseModel):
     # measures faster (4.1x on a 2-vCPU Xeon with AMX, issue 42), float32 without a warning
     # elsewhere: a server takes its CPU's fastest path as vLLM takes oneDNN's bfloat16.
     gemm: Precision = "auto"
+    # The KV pool's element type, and so the store's KV blocks': bfloat16 halves the bytes a
+    # decode step reads (what bounds it: its attention reads every cached byte of the batch
+    # once) and the bytes a prefill writes to the store and a decode worker loads. A prefill
+    # whose GEMMs run in bfloat16 rounds k and v to bfloat16 already, so its blocks lose
+    # nothing; a decode step's own k and v are rounded (to nearest even) where it writes them.
+    # Not measured per process: every worker sharing the store must hold one layout (a
+    # block's header names its type, and a worker refuses another's). auto (the default):
+    # bfloat16, float32 for the dummy model (exact, see resolve_precision).
+    kv: Precision = "auto"
     dummy: DummyModel = DummyModel()
     # Engine workers of one host that name the same directory take turns at its CPUs
     # (engine/turns.py): a decode step at a time, a prefill `turn_quantum_s` at a time while
@@ -229,6 +238,11 @@ class EngineSettings(BaseModel):
     # the engine and report them: the Conductor's cost model starts from this machine's
     # measured speed instead of the reference hardware's (core/online_cost.py).
     calibrate: bool = True
+
+    @property
+    def kv_precision(self) -> Literal["float32", "bfloat16"]:
+        """The KV pool's element type `kv` resolves to."""
+        return resolve_precision(self.kv, exact=self.model == "dummy")
 
     @field_validator("cpus")
     @classmethod

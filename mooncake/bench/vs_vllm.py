@@ -190,8 +190,8 @@ def process_role(p: psutil.Process) -> str:
     try:
         cmd = p.cmdline()
         if "worker" in cmd[:-1]:
-            return cmd[cmd.index("worker") + 1]
-        return p.name()
+            return str(cmd[cmd.index("worker") + 1])
+        return str(p.name())
     except (psutil.Error, IndexError):
         return "?"
 

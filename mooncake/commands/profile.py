@@ -51,6 +51,7 @@ def profile_engine_cmd(
 
     import torch
 
+    from mooncake.config import resolve_precision
     from mooncake.engine import Engine, EngineError, KVPoolExhausted, ModelSpec, dummy_model
     from mooncake.engine.gguf_loader import load_gguf, smollm2_path
     from mooncake.engine.profile import pool_tokens_for, profile_engine
@@ -75,10 +76,12 @@ def profile_engine_cmd(
         # A KV pool that holds the largest point of the grids (batch x context) at once.
         tokens = pool_tokens_for(grid["prompts"], grid["batches"], grid["contexts"],
                                  block_tokens, reps, model.spec.context)  # fmt: skip
-        per_token = model.spec.kv_bytes_per_token(model.dtype.itemsize)
+        # The pool's element type as a worker's (engine.kv; float32 for --dummy, exact).
+        kv = resolve_precision(configured.kv, exact=dummy)
+        per_token = model.spec.kv_bytes_per_token(2 if kv == "bfloat16" else 4)
         engine = Engine(model, tokenizer, block_tokens=block_tokens,
                         kv_budget_bytes=tokens * per_token, attention=attention_p,
-                        gemm=gemm_p)  # fmt: skip
+                        gemm=gemm_p, kv=kv)  # fmt: skip
         err.print(
             f"KV pool for the grids: {tokens:,} tokens ({tokens * per_token / 2**30:.2f} GiB)"
         )

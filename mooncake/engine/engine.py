@@ -63,13 +63,17 @@ class Engine:
         decode: Literal["fused", "eager"] = "fused",
         attention: Literal["float32", "bfloat16"] = "float32",
         gemm: Literal["float32", "bfloat16"] = "float32",
+        kv: Literal["float32", "bfloat16"] | None = None,
     ) -> None:
         if block_tokens < 1:
             raise EngineError("block_tokens must be positive")
         self.model, self.tokenizer = model, tokenizer
         self.spec = model.spec
         self.block_tokens, self.hash_seed, self.model_id = block_tokens, hash_seed, model_id
-        per_token = self.spec.kv_bytes_per_token(model.dtype.itemsize)
+        # The KV pool's (and the store's blocks') element type: the model's unless `kv` is
+        # given (EngineSettings.kv: bfloat16 halves the bytes a decode step reads).
+        kv_dtype = model.dtype if kv is None else getattr(torch, kv)
+        per_token = self.spec.kv_bytes_per_token(kv_dtype.itemsize)
         minimum = min_pool_tokens(self.spec.context, block_tokens) * per_token
         budget = kv_budget_bytes or DEFAULT_POOL_CONTEXTS * minimum
         if budget < minimum:
@@ -79,7 +83,7 @@ class Engine:
             )
         self.pool = KVPool(
             self.spec,
-            model.dtype,
+            kv_dtype,
             model.device,
             budget_bytes=budget,
             page_tokens=page_tokens_for(block_tokens),
@@ -145,7 +149,7 @@ class Engine:
     def layout(self) -> BlockLayout:
         """The byte layout of this model's KV block objects in the store."""
         s = self.spec
-        return BlockLayout(s.layers, s.kv_heads, s.head_dim, self.model.dtype)
+        return BlockLayout(s.layers, s.kv_heads, s.head_dim, self.pool.dtype)
 
     def check_tokens(self, tokens: Sequence[int], extra: int = 0) -> None:
         """EngineError unless tokens (plus `extra` to come) fit the model."""

@@ -58,7 +58,7 @@ class FusedDecode:
         """The fused step for this model and pool, or None where it does not apply."""
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return None
-        if pool.dtype != torch.float32 or pool.device.type != "cpu":
+        if not pool.native_kv:
             return None
         for block in model.layers:
             assert isinstance(block, Block)
@@ -68,7 +68,7 @@ class FusedDecode:
             norms = (block.attn_norm.weight, block.ffn_norm.weight)
             if any(not n.is_contiguous() or n.dtype != torch.float32 for n in norms):
                 return None
-        kernel = native.load_decode_layer(model.spec.head_dim, pool.page_tokens)
+        kernel = native.load_decode_layer(model.spec.head_dim, pool.page_tokens, pool.kv_bf16)
         return None if kernel is None else FusedDecode(model, pool, kernel)
 
     @torch.inference_mode()

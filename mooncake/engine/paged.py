@@ -1,7 +1,8 @@
 """Attention backends over the paged KV pool (the decoder's `AttentionBackend`s).
 
 - `PagedPrefill`: S new tokens of one sequence at positions start..start+S-1. Their k, v are
-  written into the sequence's pages. On the CPU in float32 the attention is then the
+  written into the sequence's pages. On the CPU (a pool of float32 or bfloat16, queries of
+  float32) the attention is then the
   native prefill kernel (engine.native), which reads every key, cached or new, in place
   from its pages (multiplying in bfloat16 where the engine asks for it, the CPU has
   AVX512_BF16 and that build measures faster here: `bf16_attention_speedup`). Elsewhere:
@@ -13,7 +14,8 @@
   rows only where this torch lacks that kernel).
 - `PagedDecode`: one new token per sequence for a whole batch. The new k, v go into each
   sequence's next page slot, then attention reads every sequence's pages through its block
-  table: by the native kernel (engine.native) on the CPU in float32, else by gathering the
+  table: by the native kernel (engine.native) on the CPU (a pool of float32 or bfloat16),
+  else by gathering the
   pages into a padded tensor and masking (other devices and dtypes, or no C compiler).
 """
 
@@ -41,16 +43,16 @@ NATIVE_PREFILL = True
 
 
 def prefill_kernel(pool: KVPool, bf16: bool = False) -> native.PagedPrefill | None:
-    """The native prefill kernel for `pool`'s shape, where prefill attention takes it (a CPU
-    pool of float32); `bf16`: its bfloat16 build where the CPU has AVX512_BF16 and that
+    """The native prefill kernel for `pool`'s shape and element type, where prefill attention
+    takes it (a `native` pool); `bf16`: its bfloat16 build where the CPU has AVX512_BF16 and that
     build runs at least speed.FASTER times the float32 one's speed here
     (bf16_attention_speedup), else the float32 build."""
-    if not (NATIVE_PREFILL and pool.device.type == "cpu" and pool.dtype == torch.float32):
+    if not (NATIVE_PREFILL and pool.native_kv):
         return None
-    dim, page = pool.shape.head_dim, pool.page_tokens
-    if bf16 and native_bf16(dim, page) and (bf16_attention_speedup(dim, page) or 0.0) >= FASTER:
-        return native.load_prefill(dim, page, bf16=True)
-    return native.load_prefill(dim, page)
+    dim, page, kv = pool.shape.head_dim, pool.page_tokens, pool.kv_bf16
+    if bf16 and native_bf16(dim, page) and (bf16_attention_speedup(dim, page, kv) or 0.0) >= FASTER:
+        return native.load_prefill(dim, page, bf16=True, kv_bf16=kv)
+    return native.load_prefill(dim, page, kv_bf16=kv)
 
 
 def native_bf16(head_dim: int, page_tokens: int) -> bool:
@@ -62,62 +64,66 @@ def native_bf16(head_dim: int, page_tokens: int) -> bool:
 
 
 @functools.cache
-def bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | None:
+def bf16_attention_speedup(head_dim: int, page_tokens: int, kv_bf16: bool = False) -> float | None:
     """How many times faster the native prefill kernel's bfloat16 build runs than its
-    float32 one here: 256 new rows of 3 KV heads of 3 query heads each after 1,792 cached
-    keys, at torch's thread count when first asked (speed.speedup: the best of 9 calls
-    each, ~0.2 s once a process). None where there is no bfloat16 build (no AVX512_BF16, a
-    head of other than a multiple of 32 floats, no C compiler). ~1.6x on a Zen 4 EPYC;
-    0.60-0.70x on a Xeon whose VM exposes AVX512_BF16 without AMX (engine.speed)."""
-    f32 = native.load_prefill(head_dim, page_tokens)
-    bf = native.load_prefill(head_dim, page_tokens, bf16=True)
+    float32 one here over a pool of float32 (`kv_bf16`: of bfloat16): 256 new rows of 3 KV
+    heads of 3 query heads each after 1,792 cached keys, at torch's thread count when first
+    asked (speed.speedup: the best of 9 calls each, ~0.2 s once a process). None where there is no
+    bfloat16 build (no AVX512_BF16, a head of other than a multiple of 32 floats, no C compiler).
+    ~1.6x on a Zen 4 EPYC; 0.60-0.70x on a Xeon whose VM exposes AVX512_BF16 without AMX
+    (engine.speed)."""
+    f32 = native.load_prefill(head_dim, page_tokens, kv_bf16=kv_bf16)
+    bf = native.load_prefill(head_dim, page_tokens, bf16=True, kv_bf16=kv_bf16)
     if f32 is None or bf is None or not native_bf16(head_dim, page_tokens):
         return None
     start = 1792
-    q, k, v, table, scale = _probe_inputs(head_dim, page_tokens, start, 256)
+    q, k, v, table, scale = _probe_inputs(head_dim, page_tokens, start, 256, f32.kv_dtype)
     return speedup(lambda: bf(q, k, v, table, start, scale),
                    lambda: f32(q, k, v, table, start, scale))  # fmt: skip
 
 
 def _probe_inputs(
-    head_dim: int, page_tokens: int, start: int, new: int
+    head_dim: int, page_tokens: int, start: int, new: int, kv: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
     """A prefill kernel's arguments for the probes: `new` rows of 3 KV heads of 3 query
-    heads each after `start` cached keys in pages (q, k pages, v pages, table, scale)."""
+    heads each after `start` cached keys in pages of `kv` (q, k pages, v pages, table,
+    scale)."""
     kv_heads, group = 3, 3
     pages = pages_for(start + new, page_tokens)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(pages, kv_heads, head_dim, page_tokens, generator=g)
-    v = torch.randn(pages, kv_heads, page_tokens, head_dim, generator=g)
+    k = torch.randn(pages, kv_heads, head_dim, page_tokens, generator=g).to(kv)
+    v = torch.randn(pages, kv_heads, page_tokens, head_dim, generator=g).to(kv)
     q = torch.randn(new, kv_heads * group, head_dim, generator=g)
     return q, k, v, torch.arange(pages, dtype=torch.int32), head_dim**-0.5
 
 
 @functools.cache
-def torch_bf16_attention_speedup(head_dim: int, page_tokens: int) -> float | None:
+def torch_bf16_attention_speedup(
+    head_dim: int, page_tokens: int, kv_bf16: bool = False
+) -> float | None:
     """How many times faster torch's fused attention runs over bfloat16 copies of the keys
-    and values (the copies inside the clock: the pool keeps float32) than the native float32
-    kernel here: 1,024 new rows of 3 KV heads of 3 query heads each after 1,024 cached keys,
-    at torch's thread count when first asked (speed.speedup: the best of 9 calls each, once a
-    process). None where the CPU has no bfloat16 instructions oneDNN uses or there is no
-    native kernel to compare with. On a 2-vCPU Xeon with AMX: a 3,000-token SmolLM2 prefill
-    1.37x faster whole (attention in float32 was ~half of it), where the native bfloat16
-    build measured 0.57x (issue 42)."""
+    and values (the copies inside the clock, as PagedPrefill reads them out of the pool's
+    pages) than the native float32 kernel over the same pool (`kv_bf16`: of bfloat16) here:
+    1,024 new rows of 3 KV heads of 3 query heads each after 1,024 cached keys, at torch's
+    thread count when first asked (speed.speedup: the best of 9 calls each, once a process). None
+    where the CPU has no bfloat16 instructions oneDNN uses or there is no native kernel to compare
+    with. On a 2-vCPU Xeon with AMX: a 3,000-token SmolLM2 prefill 1.37x faster whole (attention in
+    float32 was ~half of it), where the native bfloat16 build measured 0.57x (issue 42)."""
     from mooncake.engine.gemm import bf16_instructions
 
-    f32 = native.load_prefill(head_dim, page_tokens)
+    f32 = native.load_prefill(head_dim, page_tokens, kv_bf16=kv_bf16)
     if f32 is None or not bf16_instructions():
         return None
     start, new, kv_heads = 1024, 1024, 3
-    q, k, v, table, scale = _probe_inputs(head_dim, page_tokens, start, new)
-    # The torch path's inputs as PagedPrefill has them: [1, heads, T, D] float32.
+    q, k, v, table, scale = _probe_inputs(head_dim, page_tokens, start, new, f32.kv_dtype)
+    # The torch path's inputs as PagedPrefill has them: [1, heads, T, D] views of the pages.
     keys = k.permute(1, 0, 3, 2).reshape(1, kv_heads, -1, head_dim)[:, :, : start + new]
     values = v.transpose(0, 1).reshape(1, kv_heads, -1, head_dim)[:, :, : start + new]
     qt = q.transpose(0, 1)[None]
     bf = torch.bfloat16
 
     def torch_bf16() -> object:
-        qb, kb, vb = qt.to(bf), keys.to(bf), values.to(bf)
+        qb, kb, vb = qt.to(bf), keys.to(bf, copy=True), values.to(bf, copy=True)
         out = merged_suffix_attention(qb, kb, vb)
         return out if out is not None else causal_suffix_attention(qb, kb, vb)
 
@@ -132,12 +138,12 @@ def prefill_attention_choice(pool: KVPool, bf16: bool) -> str:
         return "torch"
     if not bf16:
         return "native float32"
-    dim, page = pool.shape.head_dim, pool.page_tokens
+    dim, page, kv = pool.shape.head_dim, pool.page_tokens, pool.kv_bf16
     options = {
-        "native bfloat16": (bf16_attention_speedup(dim, page) or 0.0)
+        "native bfloat16": (bf16_attention_speedup(dim, page, kv) or 0.0)
         if native_bf16(dim, page)
         else 0.0,
-        "torch bfloat16": torch_bf16_attention_speedup(dim, page) or 0.0,
+        "torch bfloat16": torch_bf16_attention_speedup(dim, page, kv) or 0.0,
     }
     best = max(options, key=lambda o: options[o])
     return best if options[best] >= FASTER else "native float32"
@@ -152,7 +158,7 @@ class PagedPrefill:
     ) -> None:
         self.kv, self.pool, self.start, self.new = kv, kv.pool, start, new
         self.page, self.offset = self.pool.locate(kv.table(), start, start + new)
-        # torch_bf16: torch's fused attention over bfloat16 copies of the float32 pool's
+        # torch_bf16: torch's fused attention over bfloat16 copies of the pool's
         # keys and values (oneDNN's bfloat16 products, AMX where the CPU has it), in place of
         # the native kernel, where it measured faster (`prefill_attention_choice`).
         self.torch_bf16 = torch_bf16 and self.pool.device.type == "cpu"
@@ -247,8 +253,8 @@ class PagedDecode:
         self.offset = positions % p
         self.lens = (positions + 1).to(torch.int32)
         self.kernel = None
-        if dev.type == "cpu" and pool.dtype == torch.float32:
-            self.kernel = native.load(pool.shape.head_dim, p)
+        if pool.native_kv:
+            self.kernel = native.load(pool.shape.head_dim, p, pool.kv_bf16)
         self._long_table = long_table
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -35,6 +35,9 @@ from mooncake.engine.spec import ModelSpec
 log = logging.getLogger("mooncake.engine.pool")
 
 DEFAULT_PAGE_TOKENS = 16
+# The element types the native kernels (engine.native) read a CPU pool in: float32, or
+# bfloat16 (half the bytes a decode step reads and a store block carries).
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -168,6 +171,16 @@ class KVPool:
         """[pages, kv_heads, page_tokens, head_dim]."""
         return self._v[layer]
 
+    @property
+    def native_kv(self) -> bool:
+        """Whether the native kernels read this pool: on the CPU, of NATIVE_KV_DTYPES."""
+        return self.device.type == "cpu" and self.dtype in NATIVE_KV_DTYPES
+
+    @property
+    def kv_bf16(self) -> bool:
+        """Whether the pool holds bfloat16 (the native kernels' KV_BF16 build reads it)."""
+        return self.dtype == torch.bfloat16
+
     def fits(self, tokens: int) -> bool:
         """Could a new sequence of `tokens` tokens get its pages now?"""
         return pages_for(tokens, self.page_tokens) <= self.pages.available
@@ -217,10 +230,10 @@ class KVPool:
         return torch.stack((k, v), dim=1)
 
     def _block_writer(self) -> native.BlockWriter | None:
-        """The native block copy (float32 pools on the CPU), or None: torch's copies."""
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        """The native block copy (`native` pools), or None: torch's copies."""
+        if not self.native_kv:
             return None
-        return native.load_block_writer(self.shape.head_dim, self.page_tokens)
+        return native.load_block_writer(self.shape.head_dim, self.page_tokens, self.kv_bf16)
 
     @torch.inference_mode()
     def write_blocks(self, layer: int, pages: Tensor, blocks: Tensor) -> None:

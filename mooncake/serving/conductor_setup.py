@@ -32,8 +32,8 @@ from mooncake.core.online_cost import OnlineCostModel
 from mooncake.core.tenancy import TenantShares
 
 HARDWARE = {"8xA800": A800_X8, "8xH800": H800_X8}
-# SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; the engine keeps KV in float32 on CPU.
-SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+# SmolLM2-135M: 30 layers, 3 KV heads of 64 dims (times the pool element's bytes, engine.kv).
+SMOLLM2_KV_ELEMENTS_PER_TOKEN = 2 * 30 * 3 * 64
 # SSD reads with a cost profile and no measured speed: one common NVMe drive's sequential
 # read (an assumption; `mooncake profile ssd` measures yours).
 DEFAULT_SSD_READ_BYTES_PER_S = 2e9
@@ -84,11 +84,13 @@ def memory_parts(settings: Settings) -> dict[str, int]:
 
 
 def kv_bytes_per_token(engine: EngineSettings) -> int:
-    """KV bytes one token takes in the served model (K and V, every layer, float32)."""
+    """KV bytes one token takes in the served model (K and V, every layer, in the pool's
+    element type: EngineSettings.kv)."""
+    width = 2 if engine.kv_precision == "bfloat16" else 4
     if engine.model == "dummy":
         d = engine.dummy
-        return 2 * d.layers * d.kv_heads * (d.hidden // d.heads) * 4
-    return SMOLLM2_KV_BYTES_PER_TOKEN
+        return 2 * d.layers * d.kv_heads * (d.hidden // d.heads) * width
+    return SMOLLM2_KV_ELEMENTS_PER_TOKEN * width
 
 
 def costs_from_profile(doc: dict[str, Any], settings: Settings, hidden: int | None = None) -> Costs:

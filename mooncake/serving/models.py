@@ -70,6 +70,7 @@ def build_engine(settings: Settings, role: Side | None = None) -> Engine:
             # The dummy model computes exactly (float32) unless bfloat16 is asked for.
             attention=resolve_precision(s.attention, exact=s.model == "dummy"),
             gemm=resolve_precision(s.gemm, exact=s.model == "dummy"),
+            kv=s.kv_precision,
         )
         engine.prefill_attention  # noqa: B018 - chosen (measured) now
         # In the turn too (the two sides map theirs one after the other): it takes a CPU the
@@ -86,8 +87,9 @@ def build_engine(settings: Settings, role: Side | None = None) -> Engine:
     kept = "quantized blocks" if model.quantized() else "float32"
     where = f", pinned to CPUs {format_cpus(pinned)}" if pinned else ""
     log.info("engine: weights as %s, %s decode steps, %s prefill attention, %s prefill "
-             "GEMMs, %d threads%s", kept, engine.decode_path, engine.prefill_attention,
-             engine.prefill_gemm, torch.get_num_threads(), where)  # fmt: skip
+             "GEMMs, %s KV, %d threads%s", kept, engine.decode_path, engine.prefill_attention,
+             engine.prefill_gemm, str(engine.pool.dtype).removeprefix("torch."),
+             torch.get_num_threads(), where)  # fmt: skip
     if s.attention == "bfloat16" and not engine.prefill_attention.endswith("bfloat16"):
         native_kernel = engine.prefill_attention != "torch"
         dim, page = spec.head_dim, engine.pool.page_tokens

@@ -16,8 +16,8 @@ def bf16_engine(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Engine:
     import mooncake.engine.model as model_module
 
     monkeypatch.setattr(model_module, "bf16_gemms_fast", gemm.bf16_instructions)
-    monkeypatch.setattr(paged, "torch_bf16_attention_speedup", lambda dim, page: 2.0)
-    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 0.0)
+    monkeypatch.setattr(paged, "torch_bf16_attention_speedup", lambda dim, page, kv=False: 2.0)
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page, kv=False: 0.0)
     bf16 = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
                   gemm="bfloat16", attention="bfloat16")  # fmt: skip
     if bf16.prefill_gemm != "bfloat16" or bf16.prefill_attention != "torch bfloat16":

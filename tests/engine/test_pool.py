@@ -5,6 +5,7 @@ asks before it gives, and preempted sequences resume to the tokens they get alon
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator
 
 import pytest
@@ -28,12 +29,17 @@ SPEC = ModelSpec(vocab_size=61, hidden=64, layers=2, heads=4, kv_heads=2, ffn=96
 BLOCK = 32
 
 
-def engine_with(budget_pages: int | None = None) -> Engine:
+# The pool's two element types (EngineSettings.kv): the native kernels are built for each.
+KV_TYPES = pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+
+
+def engine_with(budget_pages: int | None = None, kv: str = "float32") -> Engine:
     model = dummy_model(SPEC, seed=11, std=0.25)
     budget = None
     if budget_pages is not None:
-        budget = budget_pages * 16 * SPEC.kv_bytes_per_token(4)
-    return Engine(model, block_tokens=BLOCK, model_id="dummy", kv_budget_bytes=budget)
+        budget = budget_pages * 16 * SPEC.kv_bytes_per_token(getattr(torch, kv).itemsize)
+    return Engine(model, block_tokens=BLOCK, model_id="dummy", kv_budget_bytes=budget,
+                  kv=kv)  # type: ignore[arg-type]  # fmt: skip
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -54,29 +60,31 @@ def test_blocks_round_trip_through_pages() -> None:
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@KV_TYPES
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_blocks_written_by_layer_or_all_at_once_land_in_their_pages(
-    path: str, monkeypatch: pytest.MonkeyPatch
+    path: str, kv: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """write_blocks (one layer, several blocks: a store load) and write_layers (every layer)
     put each block's K and V where read_blocks finds them, through the native copy and
-    through torch's; pages outside the pool are refused, nothing written."""
-    e = engine_with()
+    through torch's, into a pool of either type (blocks of another type converted on the
+    way in); pages outside the pool are refused, nothing written."""
+    e = engine_with(kv=kv)
     if path == "torch":
         monkeypatch.setattr(type(e.pool), "_block_writer", lambda self: None)
     elif e.pool._block_writer() is None:
         pytest.skip("no C compiler: no native block copy")
     g = torch.Generator().manual_seed(5)
-    blocks = torch.randn(SPEC.layers, 3, 2, 2, BLOCK, 16, generator=g)
+    blocks = torch.randn(SPEC.layers, 3, 2, 2, BLOCK, 16, generator=g).to(e.pool.dtype)
     per = BLOCK // e.pool.page_tokens
     pages = torch.randperm(e.pool.pages.total, generator=g)[: 3 * per]
     e.pool.write_layers(pages, blocks)
     for layer in range(SPEC.layers):
         got = e.pool.read_blocks(layer, pages, BLOCK)
         assert torch.equal(got, blocks[layer]), layer
-    again = torch.randn(3, 2, 2, BLOCK, 16, generator=g)
+    again = torch.randn(3, 2, 2, BLOCK, 16, generator=g)  # float32, whatever the pool's type
     e.pool.write_blocks(1, pages.flip(0), again[:, :, :, :, :])  # other pages, one layer
-    assert torch.equal(e.pool.read_blocks(1, pages.flip(0), BLOCK), again)
+    assert torch.equal(e.pool.read_blocks(1, pages.flip(0), BLOCK), again.to(e.pool.dtype))
     assert torch.equal(e.pool.read_blocks(0, pages, BLOCK), blocks[0])  # layer 0 untouched
     before = e.pool.data.clone()
     for bad in (pages + e.pool.pages.total, pages[:-1], -1 - pages):
@@ -112,10 +120,11 @@ def reference(
     return torch.cat(out)
 
 
+@KV_TYPES
 @pytest.mark.parametrize("path", ["native", "torch"])
-def test_paged_decode_attention_equals_attention_over_contiguous_kv(path: str) -> None:
-    e = engine_with()
-    if path == "native" and native.load(16, e.pool.page_tokens) is None:
+def test_paged_decode_attention_equals_attention_over_contiguous_kv(path: str, kv: str) -> None:
+    e = engine_with(kv=kv)
+    if path == "native" and native.load(16, e.pool.page_tokens, e.pool.kv_bf16) is None:
         pytest.skip("no C compiler here: the native kernel cannot be built")
     kvs = [e.prefill(tokens(n, n)).kv for n in (1, 15, 16, 17, 70)]
     for kv in kvs:
@@ -137,11 +146,12 @@ def test_paged_decode_attention_equals_attention_over_contiguous_kv(path: str) -
     with torch.inference_mode():
         got = backend(1, q, k, v)
     keys, values = [], []
-    for i, kv in enumerate(kvs):
-        pk, pv = kv.read(1, 0, kv.length + 1)
-        assert torch.equal(pk[:, -1], k[i, :, 0]) and torch.equal(pv[:, -1], v[i, :, 0])
-        keys.append(pk)
-        values.append(pv)
+    for i, seq in enumerate(kvs):
+        pk, pv = seq.read(1, 0, seq.length + 1)
+        new_k, new_v = k[i, :, 0].to(e.pool.dtype), v[i, :, 0].to(e.pool.dtype)
+        assert torch.equal(pk[:, -1], new_k) and torch.equal(pv[:, -1], new_v)
+        keys.append(pk.float())
+        values.append(pv.float())
     assert torch.allclose(got, reference(q, keys, values), atol=1e-5)
 
 
@@ -156,21 +166,23 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@KV_TYPES
 @pytest.mark.parametrize("group", [1, 3, 5])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_decode_attention_over_scattered_pages(group: int, threads: int) -> None:
+def test_native_decode_attention_over_scattered_pages(group: int, threads: int, kv: str) -> None:
     """The kernel alone, against attention over each sequence's KV gathered in order: query
     heads scored in tiles (group 5 = a tile of 4 and one of 1), pages anywhere in the pool,
     a batch of one long sequence (its pages split between jobs and merged) and a mixed
-    batch, with NaN in every unwritten slot of every page."""
+    batch, with NaN in every unwritten slot of every page; over a pool of float32 and one
+    of bfloat16 (widened exactly: the same tolerance)."""
     page, dim, kv_heads = 16, 32, 2
-    kernel = native.load(dim, page)
+    kernel = native.load(dim, page, kv == "bfloat16")
     if kernel is None:
         pytest.skip("no C compiler here: the native kernel cannot be built")
     g = torch.Generator().manual_seed(group * 10 + threads)
     pages = 200
-    kpool = torch.randn(pages, kv_heads, dim, page, generator=g)
-    vpool = torch.randn(pages, kv_heads, page, dim, generator=g)
+    kpool = torch.randn(pages, kv_heads, dim, page, generator=g).to(kernel.kv_dtype)
+    vpool = torch.randn(pages, kv_heads, page, dim, generator=g).to(kernel.kv_dtype)
     order = torch.randperm(pages, generator=g).to(torch.int32)
     with torch_threads(threads):
         for lens in ([1000], [1, 16, 17, 300, 40]):
@@ -191,21 +203,22 @@ def test_native_decode_attention_over_scattered_pages(group: int, threads: int) 
             kernel(q, kpool, vpool, table, torch.tensor(lens, dtype=torch.int32), out, dim**-0.5)
             for b, n in enumerate(lens):
                 idx = table[b, : need[b]].long()
-                k = kpool[idx].permute(1, 0, 3, 2).reshape(kv_heads, -1, dim)[:, :n]
-                v = vpool[idx].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :n]
+                k = kpool[idx].permute(1, 0, 3, 2).reshape(kv_heads, -1, dim)[:, :n].float()
+                v = vpool[idx].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :n].float()
                 # [kv_heads, 1, n, dim] against the group's queries [kv_heads, group, 1, dim]
                 want = F.scaled_dot_product_attention(q[b][:, :, None], k[:, None], v[:, None])
                 want = want[:, :, 0]
                 assert torch.allclose(out[b], want, atol=1e-5), (lens, b)
 
 
+@KV_TYPES
 @pytest.mark.parametrize("group", [1, 3, 5])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("avx2", "bf16"), [(False, False), (True, False), (False, True)], ids=["native", "avx2", "bf16"]
 )
 def test_native_prefill_attention_over_scattered_pages(
-    group: int, threads: int, avx2: bool, bf16: bool
+    group: int, threads: int, avx2: bool, bf16: bool, kv: str
 ) -> None:
     """The prefill kernel alone, against SDPA with a causal mask over the sequence's KV
     gathered in order: S new tokens at positions start.., each seeing every key up to its
@@ -216,11 +229,12 @@ def test_native_prefill_attention_over_scattered_pages(
     machine: the same on one), and multiplying in bfloat16 where the CPU can: against SDPA
     over the scaled queries, keys and values rounded to bfloat16 as the kernel rounds them,
     within what rounding its softmax weights to bfloat16 moves an output by (a weight's
-    relative error 2^-9, the weights summing to 1: 2^-9 x the largest |value|)."""
+    relative error 2^-9, the weights summing to 1: 2^-9 x the largest |value|). Over a pool
+    of float32 and one of bfloat16 (its keys and values widened exactly)."""
     if avx2 and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU cannot run an AVX2 build")
     page, dim, kv_heads = 16, 32, 2
-    kernel = native.load_prefill(dim, page, avx2=avx2, bf16=bf16)
+    kernel = native.load_prefill(dim, page, avx2=avx2, bf16=bf16, kv_bf16=kv == "bfloat16")
     if kernel is None:
         pytest.skip("no C compiler here: the native kernel cannot be built")
     if kernel.bf16 != bf16:
@@ -236,11 +250,12 @@ def test_native_prefill_attention_over_scattered_pages(
         for start, new in ((0, 1), (0, 37), (5, 3), (100, 200), (1000, 29), (1100, 1)):
             n = start + new
             need = (n + page - 1) // page
-            kpool = torch.full((pages, kv_heads, dim, page), float("nan"))
-            vpool = torch.full((pages, kv_heads, page, dim), float("nan"))
+            kpool = torch.full((pages, kv_heads, dim, page), float("nan"), dtype=kernel.kv_dtype)
+            vpool = torch.full((pages, kv_heads, page, dim), float("nan"), dtype=kernel.kv_dtype)
             table = torch.randperm(pages, generator=g)[:need].to(torch.int32)
-            keys = torch.randn(kv_heads, n, dim, generator=g)
-            values = torch.randn(kv_heads, n, dim, generator=g)
+            # The values the pool holds (rounded to its type), in float32.
+            keys = torch.randn(kv_heads, n, dim, generator=g).to(kernel.kv_dtype).float()
+            values = torch.randn(kv_heads, n, dim, generator=g).to(kernel.kv_dtype).float()
             idx = table.long()
             split_k = kpool[idx].permute(1, 0, 3, 2).reshape(kv_heads, -1, dim)
             split_k[:, :n] = keys
@@ -308,3 +323,27 @@ def test_loading_the_native_kernel_leaves_the_process_float_state_alone() -> Non
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # a subnormal float32
     assert float(tiny * 1.0) != 0.0
     assert float(torch.tensor([1e-38]) / 100) > 0.0
+
+
+def test_a_bfloat16_pools_rounding_is_torchs() -> None:
+    """kv_put (paged_attention.c: how a fused decode step writes its k and v into a bfloat16
+    pool) rounds every float32 as torch's .to(torch.bfloat16) does, bit for bit: ties to
+    even both ways, subnormals, the largest finite values (which round to infinity),
+    infinities, and a NaN of any payload to a NaN."""
+    path = native.build(native.SOURCE, native._shape(16, 16, True), "kv rounding")
+    if path is None:
+        pytest.skip("no C compiler here: the native kernel cannot be built")
+    fn = ctypes.CDLL(str(path)).mc_kv_put
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long], None
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=g, dtype=torch.int64)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x00008000, 0x7F7FFFFF,
+                         0x7F7F8000, 0x00000001, 0x80000001, 0x7F800000, 0xFF800000, 0x7F800001,
+                         0xFFC00000, 0x7FFFFFFF, 0, 0x80000000])  # fmt: skip
+    src = torch.cat([bits, ties]).to(torch.int32).view(torch.float32).contiguous()
+    got = torch.empty(src.numel(), dtype=torch.bfloat16)
+    fn(src.data_ptr(), got.data_ptr(), src.numel())
+    want = src.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))

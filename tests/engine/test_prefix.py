@@ -96,7 +96,7 @@ def test_bfloat16_prefill_attention_is_float32s_within_its_rounding(
     the GEMMs' blocking differs: ATOL, the same argmax), and the logits stay near float32's:
     the same next token, and the gaps no larger than what SmolLM2 showed on random prompts
     (0.6 at worst; a key at the wrong position moves them by several)."""
-    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 2.0)
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page, kv=False: 2.0)
     bf16 = Engine(engine.model, engine.tokenizer, block_tokens=engine.block_tokens,
                   attention="bfloat16")  # fmt: skip
     if bf16.prefill_attention != "native bfloat16":
@@ -324,8 +324,8 @@ def test_a_worker_asked_for_bfloat16_that_measures_slower_runs_float32_and_says_
              "MOONCAKE_ENGINE__ATTENTION": "bfloat16"}  # fmt: skip
     for key, value in small.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 0.65)
-    monkeypatch.setattr(paged, "torch_bf16_attention_speedup", lambda dim, page: 0.6)
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page, kv=False: 0.65)
+    monkeypatch.setattr(paged, "torch_bf16_attention_speedup", lambda dim, page, kv=False: 0.6)
     with caplog.at_level(logging.WARNING):
         engine = build_engine(load_settings())
     assert engine.attention == "bfloat16"

@@ -127,7 +127,7 @@ def test_cli_profiles_the_engine_a_worker_would_run(
     args = [*head_dim_32, "--prompts", "32", "--cached", "0", "--batches", "1", "--contexts",
             "16", "--out", str(out)]  # fmt: skip
     monkeypatch.setenv("MOONCAKE_ENGINE__ATTENTION", "bfloat16")
-    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: 2.0)
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page, kv=False: 2.0)
     bf16 = native.load_prefill(32, 16, bf16=True)
     f32 = "native float32" if native.load_prefill(32, 16) is not None else "torch"
     want = "native bfloat16" if bf16 is not None and bf16.bf16 else f32

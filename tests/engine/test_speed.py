@@ -62,7 +62,7 @@ def _pool() -> KVPool:
 def test_bf16_attention_below_the_bar_takes_the_float32_build(
     monkeypatch: pytest.MonkeyPatch, measured: float | None
 ) -> None:
-    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: measured)
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page, kv=False: measured)
     kernel = paged.prefill_kernel(_pool(), bf16=True)
     if native.load_prefill(64, 16) is None:
         pytest.skip("no native prefill kernel here (no C compiler)")
@@ -76,7 +76,7 @@ def test_bf16_attention_measured_faster_takes_the_bf16_build(
     build = native.load_prefill(64, 16, bf16=True)
     if build is None or not build.bf16:
         pytest.skip("no bfloat16 prefill build here (AVX512_BF16)")
-    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page: FASTER)
+    monkeypatch.setattr(paged, "bf16_attention_speedup", lambda dim, page, kv=False: FASTER)
     kernel = paged.prefill_kernel(_pool(), bf16=True)
     assert kernel is build and kernel.bf16
     assert not paged.prefill_kernel(_pool()).bf16  # not asked for: float32

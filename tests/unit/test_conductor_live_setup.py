@@ -126,7 +126,8 @@ def test_kv_bytes_per_token_follow_the_model() -> None:
     dummy = EngineSettings(model="dummy")
     d = dummy.dummy
     assert kv_bytes_per_token(dummy) == 2 * d.layers * d.kv_heads * (d.hidden // d.heads) * 4
-    assert kv_bytes_per_token(EngineSettings()) == 2 * 30 * 3 * 64 * 4
+    assert kv_bytes_per_token(EngineSettings()) == 2 * 30 * 3 * 64 * 2  # bfloat16 KV
+    assert kv_bytes_per_token(EngineSettings(kv="float32")) == 2 * 30 * 3 * 64 * 4
 
 
 def test_no_instance_waits_add_up_to_the_bound_within_max_deliver() -> None:

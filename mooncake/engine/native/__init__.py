@@ -145,13 +145,34 @@ def _open(
         return None
 
 
+def _shape(head_dim: int, page_tokens: int, kv_bf16: bool) -> tuple[str, ...]:
+    """The defines of a kernel built for one pool shape: its head size, its page size, and
+    with `kv_bf16` a pool of bfloat16 (paged_attention.c's kv_t), else of float32."""
+    kv = ("-DKV_BF16",) if kv_bf16 else ()
+    return (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}", *kv)
+
+
 @dataclass(frozen=True)
 class ShapedKernel:
-    """A kernel built for one (head_dim, page_tokens): its C function."""
+    """A kernel built for one (head_dim, page_tokens) and pool element type (`kv_bf16`:
+    bfloat16, else float32): its C function."""
 
     head_dim: int
     page_tokens: int
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+    kv_bf16: bool
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The pool element type the kernel reads and writes."""
+        return torch.bfloat16 if self.kv_bf16 else torch.float32
+
+    def check_pool(self, *pools: torch.Tensor) -> None:
+        """RuntimeError unless every pool tensor is of the kernel's element type on the CPU
+        (the C code reads their bytes as that type)."""
+        for t in pools:
+            if t.dtype != self.kv_dtype or t.device.type != "cpu":
+                raise RuntimeError(f"a {t.dtype} pool on {t.device} for a {self.kv_dtype} kernel")
 
 
 class PagedDecode(ShapedKernel):
@@ -168,8 +189,10 @@ class PagedDecode(ShapedKernel):
         scale: float,
     ) -> None:
         """q, out [B, kv_heads, group, D] float32 contiguous; kpool [pages, kv_heads, D, P],
-        vpool [pages, kv_heads, P, D]; table [B, max_pages] int32; lens [B] int32."""
+        vpool [pages, kv_heads, P, D] of the kernel's pool type; table [B, max_pages] int32;
+        lens [B] int32."""
         b, kv_heads, group, _ = q.shape
+        self.check_pool(kpool, vpool)
         failed = self.fn(
             q.data_ptr(),
             kpool.data_ptr(),
@@ -195,11 +218,12 @@ class BlockWriter(ShapedKernel):
 
     def __call__(self, blocks: torch.Tensor, pages: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> None:  # fmt: skip
-        """blocks [layers, n, 2, kv_heads, T, D] float32, each block contiguous (any strides
-        between blocks and layers); pages int32 [n * T / P], contiguous, the same for every
-        layer; k [layers, pages, kv_heads, D, P], v [layers, pages, kv_heads, P, D], views
+        """blocks [layers, n, 2, kv_heads, T, D] of the pool's type, each block contiguous
+        (any strides between blocks and layers); pages int32 [n * T / P], contiguous, the same for
+        every layer; k [layers, pages, kv_heads, D, P], v [layers, pages, kv_heads, P, D], views
         into one pool tensor with the same stride between layers."""
         layers, n, _, kv_heads, tokens, dim = blocks.shape
+        self.check_pool(blocks, k, v)
         # The C copy trusts its arguments: the caller (KVPool) has checked the pages are the
         # pool's and as many as the blocks cover; shapes that do not fit are refused here.
         if (dim, kv_heads, tokens % self.page_tokens) != (self.head_dim, k.shape[2], 0) or (
@@ -212,15 +236,16 @@ class BlockWriter(ShapedKernel):
             raise RuntimeError("block writer: a block is not a whole number of pages")
 
 
-def load_block_writer(head_dim: int, page_tokens: int) -> BlockWriter | None:
+def load_block_writer(head_dim: int, page_tokens: int, kv_bf16: bool = False) -> BlockWriter | None:
     """The block writer for this shape, built on first use (None: none can be built here)."""
     return _once(
-        ("block writer", head_dim, page_tokens), lambda: _load_writer(head_dim, page_tokens)
+        ("block writer", head_dim, page_tokens, kv_bf16),
+        lambda: _load_writer(head_dim, page_tokens, kv_bf16),
     )
 
 
-def _load_writer(head_dim: int, page_tokens: int) -> BlockWriter | None:
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+def _load_writer(head_dim: int, page_tokens: int, kv_bf16: bool) -> BlockWriter | None:
+    defines = _shape(head_dim, page_tokens, kv_bf16)
     lib = _open(SOURCE, defines, "paged decode attention")  # the decode kernel's library
     if lib is None:
         return None
@@ -229,16 +254,18 @@ def _load_writer(head_dim: int, page_tokens: int) -> BlockWriter | None:
     lng = ctypes.c_long
     fn.argtypes = [ptr, lng, lng, i32, i32, i32, ptr, ptr, ptr, lng, i32, i32]
     fn.restype = i32
-    return BlockWriter(head_dim, page_tokens, fn)
+    return BlockWriter(head_dim, page_tokens, fn, kv_bf16)
 
 
-def load(head_dim: int, page_tokens: int) -> PagedDecode | None:
+def load(head_dim: int, page_tokens: int, kv_bf16: bool = False) -> PagedDecode | None:
     """The kernel for this shape, built on first use (None: none can be built here)."""
-    return _once(("attention", head_dim, page_tokens), lambda: _load(head_dim, page_tokens))
+    return _once(
+        ("attention", head_dim, page_tokens, kv_bf16), lambda: _load(head_dim, page_tokens, kv_bf16)
+    )
 
 
-def _load(head_dim: int, page_tokens: int) -> PagedDecode | None:
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+def _load(head_dim: int, page_tokens: int, kv_bf16: bool) -> PagedDecode | None:
+    defines = _shape(head_dim, page_tokens, kv_bf16)
     lib = _open(SOURCE, defines, "paged decode attention")
     if lib is None:
         return None
@@ -246,7 +273,7 @@ def _load(head_dim: int, page_tokens: int) -> PagedDecode | None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [ptr] * 6 + [i32] * 4 + [ctypes.c_float, i32]
     fn.restype = i32
-    return PagedDecode(head_dim, page_tokens, fn)
+    return PagedDecode(head_dim, page_tokens, fn, kv_bf16)
 
 
 @dataclass(frozen=True)
@@ -268,11 +295,13 @@ class PagedPrefill(ShapedKernel):
     ) -> torch.Tensor:
         """Attention of S new tokens at positions start..start+S-1, each over every key up
         to its own: q [S, heads, D] float32 (any strides but D's, which must be 1); kpool
-        [pages, kv_heads, D, P], vpool [pages, kv_heads, P, D]; pages int32, the sequence's
+        [pages, kv_heads, D, P], vpool [pages, kv_heads, P, D] of the kernel's pool type;
+        pages int32, the sequence's
         pool pages covering its start + S positions (their K, V written). Returns [S, heads,
         D]."""
         s, heads, dim = q.shape
         kv_heads = kpool.shape[1]
+        self.check_pool(kpool, vpool)
         if q.stride(2) != 1:
             q = q.contiguous()
         if pages.numel() * self.page_tokens < start + s:
@@ -286,21 +315,29 @@ class PagedPrefill(ShapedKernel):
 
 
 def load_prefill(
-    head_dim: int, page_tokens: int, *, bf16: bool = False, avx2: bool = False
+    head_dim: int,
+    page_tokens: int,
+    *,
+    bf16: bool = False,
+    avx2: bool = False,
+    kv_bf16: bool = False,
 ) -> PagedPrefill | None:
     """The prefill kernel for this shape, built on first use (None: none can be built here,
     or the shape is not one it supports: head_dim and page_tokens multiples of 16, and
     page_tokens dividing 64). `bf16`: multiplying in bfloat16 where the CPU has AVX512_BF16
     (elsewhere the float32 build). `avx2`: built without AVX-512, as on a machine without it
-    (its 8-float vectors and register tiles), so a test on an AVX-512 machine covers both."""
+    (its 8-float vectors and register tiles), so a test on an AVX-512 machine covers both.
+    `kv_bf16`: over a pool of bfloat16, else of float32."""
     return _once(
-        ("prefill", head_dim, page_tokens, bf16, avx2),
-        lambda: _load_prefill(head_dim, page_tokens, bf16, avx2),
+        ("prefill", head_dim, page_tokens, bf16, avx2, kv_bf16),
+        lambda: _load_prefill(head_dim, page_tokens, bf16, avx2, kv_bf16),
     )
 
 
-def _load_prefill(head_dim: int, page_tokens: int, bf16: bool, avx2: bool) -> PagedPrefill | None:
-    defines: tuple[str, ...] = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+def _load_prefill(
+    head_dim: int, page_tokens: int, bf16: bool, avx2: bool, kv_bf16: bool
+) -> PagedPrefill | None:
+    defines = _shape(head_dim, page_tokens, kv_bf16)
     if bf16:
         defines += ("-DPREFILL_BF16",)
     if avx2:
@@ -312,7 +349,7 @@ def _load_prefill(head_dim: int, page_tokens: int, bf16: bool, avx2: bool) -> Pa
     ptr, i32, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     fn.argtypes = [ptr, long, long, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32
-    return PagedPrefill(head_dim, page_tokens, fn, bool(lib.mc_paged_prefill_bf16()))
+    return PagedPrefill(head_dim, page_tokens, fn, kv_bf16, bool(lib.mc_paged_prefill_bf16()))
 
 
 @dataclass(frozen=True)
@@ -386,15 +423,17 @@ class DecodeLayer:
     scratch_floats: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
-def load_decode_layer(head_dim: int, page_tokens: int) -> DecodeLayer | None:
-    """The fused decode layer for this shape, built on first use (None: none here)."""
+def load_decode_layer(head_dim: int, page_tokens: int, kv_bf16: bool = False) -> DecodeLayer | None:
+    """The fused decode layer for this shape and pool type, built on first use (None: none
+    here)."""
     return _once(
-        ("layer", head_dim, page_tokens), lambda: _load_decode_layer(head_dim, page_tokens)
+        ("layer", head_dim, page_tokens, kv_bf16),
+        lambda: _load_decode_layer(head_dim, page_tokens, kv_bf16),
     )
 
 
-def _load_decode_layer(head_dim: int, page_tokens: int) -> DecodeLayer | None:
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DPAGE_TOKENS={page_tokens}")
+def _load_decode_layer(head_dim: int, page_tokens: int, kv_bf16: bool) -> DecodeLayer | None:
+    defines = _shape(head_dim, page_tokens, kv_bf16)
     lib = _open(LAYER_SOURCE, defines, "fused decode layer", deps=(SOURCE, QUANT_SOURCE))
     if lib is None:
         return None

@@ -38,8 +38,8 @@ typedef struct {
     mc_qweight w[4];        /* qkv, o, gate_up, down */
     const float* cos;       /* [M, rot] */
     const float* sin;       /* [M, rot] */
-    float* kpool;           /* [pages, kv_heads, D, P] this layer's */
-    float* vpool;           /* [pages, kv_heads, P, D] */
+    kv_t* kpool;            /* [pages, kv_heads, D, P] this layer's (kv_t: paged_attention.c) */
+    kv_t* vpool;            /* [pages, kv_heads, P, D] */
     const int64_t* page;    /* [M] the page and slot of each row's new token */
     const int64_t* offset;  /* [M] */
     const int32_t* table;   /* [M, max_pages] */
@@ -104,7 +104,7 @@ static void layer_ws(const mc_layer_args* a, const att_plan* plan) {
     float* gu = att + (size_t)M * nq;
     float* act = gu + (size_t)M * 2 * F;
     float* x = a->x;
-    const size_t page_k = (size_t)a->kv_heads * D * P; /* floats per page, per pool */
+    const size_t page_k = (size_t)a->kv_heads * D * P; /* elements per page, per pool */
 
     #pragma omp for schedule(static)
     for (int r = 0; r < M; r++) rms_norm_row(x + (size_t)r * H, a->attn_norm, h + (size_t)r * H, H, a->eps);
@@ -118,13 +118,13 @@ static void layer_ws(const mc_layer_args* a, const att_plan* plan) {
         for (int hd = 0; hd < a->heads; hd++) rope(row + hd * D, c, s, a->rot);
         for (int hd = 0; hd < a->kv_heads; hd++) rope(row + nq + hd * D, c, s, a->rot);
         for (int i = 0; i < nq; i++) q[(size_t)r * nq + i] = row[i];
-        float* kp = a->kpool + (size_t)a->page[r] * page_k;
-        float* vp = a->vpool + (size_t)a->page[r] * page_k;
+        kv_t* kp = a->kpool + (size_t)a->page[r] * page_k;
+        kv_t* vp = a->vpool + (size_t)a->page[r] * page_k;
         const int64_t o = a->offset[r];
         for (int hd = 0; hd < a->kv_heads; hd++)
             for (int d = 0; d < D; d++) {
-                kp[((size_t)hd * D + d) * P + o] = row[nq + hd * D + d];
-                vp[((size_t)hd * P + o) * D + d] = row[nq + nkv + hd * D + d];
+                kp[((size_t)hd * D + d) * P + o] = kv_put(row[nq + hd * D + d]);
+                vp[((size_t)hd * P + o) * D + d] = kv_put(row[nq + nkv + hd * D + d]);
             }
     }
     att_run(plan, q, a->kpool, a->vpool, a->table, a->lens, att, a->scale);

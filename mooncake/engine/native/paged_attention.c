@@ -1,4 +1,5 @@
-/* Decode attention over a paged KV pool (one new query token per sequence), float32.
+/* Decode attention over a paged KV pool (one new query token per sequence), float32 sums
+ * over a pool of float32, or of bfloat16 where built with KV_BF16 (kv_t below).
  *
  * Built at run time by mooncake/engine/native/__init__.py with HEAD_DIM and PAGE_TOKENS
  * fixed at compile time, so the inner loops are fixed-width vector loops the compiler keeps
@@ -52,8 +53,29 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE void prefetch_block(const float* p, size_t floats) {
-    for (size_t i = 0; i < floats; i += LINE / sizeof(float)) __builtin_prefetch(p + i, 0, 1);
+/* A pool element, kv_t: a float, or with KV_BF16 a bfloat16 (the top 16 bits of a float32)
+ * that kv_get widens exactly (a shift, which the compiler vectorizes) and kv_put rounds to
+ * nearest even as torch's .to(torch.bfloat16) does (a NaN stays a quiet NaN). A bfloat16
+ * pool halves the bytes a decode step reads, which is what bounds it. */
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+ALWAYS_INLINE float kv_get(kv_t x) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16};
+    return c.f;
+}
+ALWAYS_INLINE kv_t kv_put(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (kv_t)0x7fc0;
+    return (kv_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+#else
+typedef float kv_t;
+ALWAYS_INLINE float kv_get(kv_t x) { return x; }
+ALWAYS_INLINE kv_t kv_put(float f) { return f; }
+#endif
+
+ALWAYS_INLINE void prefetch_block(const kv_t* p, size_t elems) {
+    for (size_t i = 0; i < elems; i += LINE / sizeof(kv_t)) __builtin_prefetch(p + i, 0, 1);
 }
 
 /* A softmax weight e^(s - top) as 2^x, x = s log2(e) - top log2(e) <= 0 (one FMA): x = n + f
@@ -93,25 +115,33 @@ ALWAYS_INLINE float exp_diff(float s, float top) {
 /* out[i * stride + o] = sum_d qs[i * D + d] * K[o][d] for the G heads of a tile, K stored
  * transposed as kt[d * P + o]; four accumulators per head hide the FMA latency. G is a
  * constant where this is inlined, so the arrays stay in registers. */
-ALWAYS_INLINE void scores_tile(const int G, const float* qs, const float* kt, float* out,
+ALWAYS_INLINE void scores_tile(const int G, const float* qs, const kv_t* kt, float* out,
                                size_t stride) {
     float a0[TILE][P], a1[TILE][P], a2[TILE][P], a3[TILE][P];
     for (int i = 0; i < G; i++)
         for (int o = 0; o < P; o++) { a0[i][o] = 0.f; a1[i][o] = 0.f; a2[i][o] = 0.f; a3[i][o] = 0.f; }
     int d = 0;
-    for (; d + 4 <= D; d += 4)
+    for (; d + 4 <= D; d += 4) {
+        float k0[P], k1[P], k2[P], k3[P]; /* four K rows widened once for the tile's heads */
+        for (int o = 0; o < P; o++) {
+            k0[o] = kv_get(kt[d * P + o]);
+            k1[o] = kv_get(kt[(d + 1) * P + o]);
+            k2[o] = kv_get(kt[(d + 2) * P + o]);
+            k3[o] = kv_get(kt[(d + 3) * P + o]);
+        }
         for (int i = 0; i < G; i++) {
             const float* q = qs + i * D + d;
             for (int o = 0; o < P; o++) {
-                a0[i][o] += q[0] * kt[d * P + o];
-                a1[i][o] += q[1] * kt[(d + 1) * P + o];
-                a2[i][o] += q[2] * kt[(d + 2) * P + o];
-                a3[i][o] += q[3] * kt[(d + 3) * P + o];
+                a0[i][o] += q[0] * k0[o];
+                a1[i][o] += q[1] * k1[o];
+                a2[i][o] += q[2] * k2[o];
+                a3[i][o] += q[3] * k3[o];
             }
         }
+    }
     for (; d < D; d++)
         for (int i = 0; i < G; i++)
-            for (int o = 0; o < P; o++) a0[i][o] += qs[i * D + d] * kt[d * P + o];
+            for (int o = 0; o < P; o++) a0[i][o] += qs[i * D + d] * kv_get(kt[d * P + o]);
     for (int i = 0; i < G; i++)
         for (int o = 0; o < P; o++)
             out[i * stride + o] = (a0[i][o] + a1[i][o]) + (a2[i][o] + a3[i][o]);
@@ -120,7 +150,7 @@ ALWAYS_INLINE void scores_tile(const int G, const float* qs, const float* kt, fl
 /* acc[i * D + d] += sum_o w[i * stride + o] * V[o][d] over the m written tokens of a page,
  * for the G heads of a tile. One or two heads keep a second accumulator (odd tokens), so
  * there are always enough independent sums to hide the FMA latency. */
-ALWAYS_INLINE void values_tile(const int G, const float* w, size_t stride, const float* vh,
+ALWAYS_INLINE void values_tile(const int G, const float* w, size_t stride, const kv_t* vh,
                                int m, float* acc) {
     float s0[TILE][D], s1[TILE][D];
     for (int i = 0; i < G; i++)
@@ -130,7 +160,9 @@ ALWAYS_INLINE void values_tile(const int G, const float* w, size_t stride, const
         for (; o + 1 < m; o += 2) {
             float w0[TILE], w1[TILE];
             for (int i = 0; i < G; i++) { w0[i] = w[i * stride + o]; w1[i] = w[i * stride + o + 1]; }
-            const float *v0 = vh + o * D, *v1 = v0 + D;
+            const kv_t *p0 = vh + o * D, *p1 = p0 + D;
+            float v0[D], v1[D];
+            for (int d = 0; d < D; d++) { v0[d] = kv_get(p0[d]); v1[d] = kv_get(p1[d]); }
             for (int i = 0; i < G; i++)
                 for (int d = 0; d < D; d++) {
                     s0[i][d] += w0[i] * v0[d];
@@ -140,7 +172,9 @@ ALWAYS_INLINE void values_tile(const int G, const float* w, size_t stride, const
     for (; o < m; o++) {
         float w0[TILE];
         for (int i = 0; i < G; i++) w0[i] = w[i * stride + o];
-        const float* v0 = vh + o * D;
+        const kv_t* p0 = vh + o * D;
+        float v0[D];
+        for (int d = 0; d < D; d++) v0[d] = kv_get(p0[d]);
         for (int i = 0; i < G; i++)
             for (int d = 0; d < D; d++) s0[i][d] += w0[i] * v0[d];
     }
@@ -150,13 +184,13 @@ ALWAYS_INLINE void values_tile(const int G, const float* w, size_t stride, const
 
 /* One tile of G heads over pages [j0, j1) of a sequence of n tokens: the sum acc [G, D]
  * of V weighted by exp(score - mx), each head's maximum score mx and sum of weights. */
-ALWAYS_INLINE void tile_range(const int G, const float* qh, const float* kpool,
-                              const float* vpool, const int32_t* pages, int j0, int j1, int n,
+ALWAYS_INLINE void tile_range(const int G, const float* qh, const kv_t* kpool,
+                              const kv_t* vpool, const int32_t* pages, int j0, int j1, int n,
                               int h, int kv_heads, float scale, float* acc, float* mx,
                               float* sum) {
     const size_t page = (size_t)kv_heads * P * D;
-    const float* kh = kpool + (size_t)h * D * P; /* this KV head's block of page 0 */
-    const float* vh = vpool + (size_t)h * P * D;
+    const kv_t* kh = kpool + (size_t)h * D * P; /* this KV head's block of page 0 */
+    const kv_t* vh = vpool + (size_t)h * P * D;
     float qs[TILE * D], m[TILE], tot[TILE];
     for (int i = 0; i < G; i++) {
         for (int d = 0; d < D; d++) qs[i * D + d] = qh[i * D + d] * scale;
@@ -204,7 +238,7 @@ ALWAYS_INLINE void tile_range(const int G, const float* qh, const float* kpool,
  * (a split of the sequence), acc gets the unnormalized sums and they the maxima and sums
  * of weights, for the merge; without (mx NULL: the whole sequence), acc gets the
  * attention itself. */
-static void job_range(const float* qh, const float* kpool, const float* vpool,
+static void job_range(const float* qh, const kv_t* kpool, const kv_t* vpool,
                       const int32_t* pages, int j0, int j1, int n, int h, int kv_heads,
                       int group, float scale, float* acc, float* mx, float* sum) {
     for (int i0 = 0; i0 < group; i0 += TILE) {
@@ -261,8 +295,8 @@ static void att_plan_free(att_plan* plan) { free(plan->part); }
 /* The attention of one layer, run by every thread of the enclosing parallel region (its
  * loops are shared out among them; all have passed its last barrier when it returns):
  * mc_paged_decode_f32's region here, a whole decode step's in decode_layer.c. */
-static void att_run(const att_plan* plan, const float* q, const float* kpool,
-                    const float* vpool, const int32_t* table, const int32_t* lens, float* out,
+static void att_run(const att_plan* plan, const float* q, const kv_t* kpool,
+                    const kv_t* vpool, const int32_t* table, const int32_t* lens, float* out,
                     float scale) {
     const int kv_heads = plan->kv_heads, group = plan->group, splits = plan->splits;
     const int pairs = plan->batch * kv_heads, max_pages = plan->max_pages;
@@ -313,7 +347,7 @@ static void att_run(const att_plan* plan, const float* q, const float* kpool,
     }
 }
 
-int mc_paged_decode_f32(const float* q, const float* kpool, const float* vpool,
+int mc_paged_decode_f32(const float* q, const kv_t* kpool, const kv_t* vpool,
                         const int32_t* table, const int32_t* lens, float* out, int batch,
                         int kv_heads, int group, int max_pages, float scale, int threads) {
     att_plan plan;
@@ -325,14 +359,20 @@ int mc_paged_decode_f32(const float* q, const float* kpool, const float* vpool,
     return 0;
 }
 
+/* n floats as pool elements, each as kv_put makes it (what a decode step writes): for the
+ * tests, which check a bfloat16 pool's rounding against torch's. */
+void mc_kv_put(const float* src, kv_t* dst, long n) {
+    for (long i = 0; i < n; i++) dst[i] = kv_put(src[i]);
+}
+
 /* Whole store blocks into pool pages (KVPool.write_blocks): for each of `layers` layers
- * (the source's `src_layer` floats apart, the pool's `pool_layer`), n blocks of T tokens,
- * block j at j * block_stride floats as [2][kv_heads][T][D] (K, then V), its T / P pages
+ * (the source's `src_layer` elements apart, the pool's `pool_layer`), n blocks of T tokens
+ * in the pool's element type, block j at j * block_stride elements as [2][kv_heads][T][D] (K, then V), its T / P pages
  * pages[j * T / P ...]. A page gets each head's K transposed ([D][P], the layout above) and
  * its V as it is ([P][D]): one pass over the source, the pages split over the threads.
  * Returns 1 if T is not a whole number of pages. */
-int mc_write_blocks_f32(const float* src, long src_layer, long block_stride, int layers,
-                        int n, int T, const int32_t* pages, float* kpool, float* vpool,
+int mc_write_blocks_f32(const kv_t* src, long src_layer, long block_stride, int layers,
+                        int n, int T, const int32_t* pages, kv_t* kpool, kv_t* vpool,
                         long pool_layer, int kv_heads, int threads) {
     if (T % P) return 1;
     const int per = T / P;
@@ -342,14 +382,14 @@ int mc_write_blocks_f32(const float* src, long src_layer, long block_stride, int
         const int layer = (int)(i / (n * per)), b = (int)(i % (n * per));
         const int j = b / per, pg = b % per;
         const size_t at = (size_t)layer * pool_layer + (size_t)pages[b] * page;
-        const float* blk = src + (size_t)layer * src_layer + (size_t)j * block_stride;
+        const kv_t* blk = src + (size_t)layer * src_layer + (size_t)j * block_stride;
         for (int h = 0; h < kv_heads; h++) {
-            const float* ks = blk + ((size_t)h * T + (size_t)pg * P) * D;
-            const float* vs = ks + (size_t)kv_heads * T * D;
-            float* kd = kpool + at + (size_t)h * D * P;
+            const kv_t* ks = blk + ((size_t)h * T + (size_t)pg * P) * D;
+            const kv_t* vs = ks + (size_t)kv_heads * T * D;
+            kv_t* kd = kpool + at + (size_t)h * D * P;
             for (int d = 0; d < D; d++)
                 for (int t = 0; t < P; t++) kd[d * P + t] = ks[t * D + d];
-            memcpy(vpool + at + (size_t)h * P * D, vs, sizeof(float) * P * D);
+            memcpy(vpool + at + (size_t)h * P * D, vs, sizeof(kv_t) * P * D);
         }
     }
     return 0;

@@ -1,4 +1,5 @@
-/* Prefill attention over a paged KV pool, float32: S new tokens of one sequence, at
+/* Prefill attention over a paged KV pool (of float32, or bfloat16 built with KV_BF16: kv_t,
+ * paged_attention.c), float32 sums: S new tokens of one sequence, at
  * positions start .. start+S-1, attending causally to every key before them (a cached
  * prefix's, read in place from its pages) and to themselves. Their own K and V are in their
  * pages already (the caller writes them first), so all keys are read the same way, and a
@@ -99,6 +100,18 @@ ALWAYS_INLINE vf vload(const float* p) {
 
 ALWAYS_INLINE void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* W pool elements widened to floats (a bfloat16 pool's by zero-extension and a shift). */
+#ifdef KV_BF16
+typedef uint16_t vh16 __attribute__((vector_size(W * 2)));
+ALWAYS_INLINE vf kvload(const kv_t* p) {
+    vh16 h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vi) << 16);
+}
+#else
+ALWAYS_INLINE vf kvload(const kv_t* p) { return vload(p); }
+#endif
+
 /* Lane by lane, the larger of a and b (a select). */
 ALWAYS_INLINE vf vmax(vf a, vf b) {
     const vi gt = a > b; /* all ones where a is larger */
@@ -166,12 +179,12 @@ ALWAYS_INLINE vf vexp2_le0(vf x) {
 /* sc[r][t] = qs[r] . K[key kb + t] for the ROWS rows and KB keys of a block, SK x W keys
  * at a time (ROWS x SK vector sums). kh is this KV head's block of page 0, `page` floats
  * apart; the sequence has npg pages. */
-ALWAYS_INLINE void block_scores(const float (*qs)[D], const float* kh, size_t page,
+ALWAYS_INLINE void block_scores(const float (*qs)[D], const kv_t* kh, size_t page,
                                 const int32_t* pages, int npg, int kb, float (*sc)[KB]) {
     for (int t0 = 0; t0 < KB; t0 += SK * W) {
         /* Each W-key vector lies within one page (W divides P). Keys past the sequence's
          * last page are scored against that page (and masked): the page table ends there. */
-        const float* ks[SK];
+        const kv_t* ks[SK];
         #pragma GCC unroll 2
         for (int j = 0; j < SK; j++) {
             const int a = kb + t0 + j * W, pa = a / P < npg ? a / P : npg - 1;
@@ -185,7 +198,7 @@ ALWAYS_INLINE void block_scores(const float (*qs)[D], const float* kh, size_t pa
         for (int d = 0; d < D; d++) {
             vf k[SK];
             #pragma GCC unroll 2
-            for (int j = 0; j < SK; j++) k[j] = vload(ks[j] + d * P);
+            for (int j = 0; j < SK; j++) k[j] = kvload(ks[j] + d * P);
             #pragma GCC unroll 12
             for (int r = 0; r < ROWS; r++) {
                 const vf q = vsplat(qs[r][d]);
@@ -202,7 +215,7 @@ ALWAYS_INLINE void block_scores(const float (*qs)[D], const float* kh, size_t pa
 
 /* o[r] = o[r] * alpha[r] + sum over the first m keys of w[r][t] V[key kb + t], for rows
  * [r0, r0 + HALF), VC vectors of their HEAD_DIM at a time (one, on AVX2: measured best). */
-ALWAYS_INLINE void block_values(const float (*w)[KB], const float* alpha, const float* vh,
+ALWAYS_INLINE void block_values(const float (*w)[KB], const float* alpha, const kv_t* vh,
                                 size_t page, const int32_t* pages, int kb, int m, int r0,
                                 float (*o)[D]) {
     for (int c0 = 0; c0 < DV; c0 += VC) {
@@ -214,13 +227,13 @@ ALWAYS_INLINE void block_values(const float (*w)[KB], const float* alpha, const 
             for (int c = 0; c < VC; c++) acc[r][c] = vload(&o[r0 + r][(c0 + c) * W]) * f;
         }
         for (int t0 = 0; t0 < m; t0 += P) { /* kb is a whole number of pages */
-            const float* base = vh + (size_t)pages[(kb + t0) / P] * page + c0 * W;
+            const kv_t* base = vh + (size_t)pages[(kb + t0) / P] * page + c0 * W;
             const int n = m - t0 < P ? m - t0 : P;
             for (int t = 0; t < n; t++) {
-                const float* v = base + (size_t)t * D;
+                const kv_t* v = base + (size_t)t * D;
                 vf vv[VC];
                 #pragma GCC unroll 4
-                for (int c = 0; c < VC; c++) vv[c] = vload(v + c * W);
+                for (int c = 0; c < VC; c++) vv[c] = kvload(v + c * W);
                 #pragma GCC unroll 6
                 for (int r = 0; r < HALF; r++) {
                     const vf x = vsplat(w[r0 + r][t0 + t]);
@@ -261,21 +274,21 @@ typedef struct {
     uint32_t v[KB / 2][D] __attribute__((aligned(64)));
 } block_bf16;
 
-static void block_convert(block_bf16* b, const float* kh, const float* vh, size_t page,
+static void block_convert(block_bf16* b, const kv_t* kh, const kv_t* vh, size_t page,
                           const int32_t* pages, int npg, int kb, int last) {
     for (int t0 = 0; t0 < KB; t0 += 16) {
         const int a = kb + t0, pa = a / P < npg ? a / P : npg - 1; /* as block_scores */
-        const float* k = kh + (size_t)pages[pa] * page + a % P;
+        const kv_t* k = kh + (size_t)pages[pa] * page + a % P;
         for (int i = 0; i < D / 2; i++)
-            _mm512_store_si512(&b->k[i][t0], bf16_pairs(_mm512_loadu_ps(k + 2 * i * P),
-                                                         _mm512_loadu_ps(k + (2 * i + 1) * P)));
+            _mm512_store_si512(&b->k[i][t0], bf16_pairs((__m512)kvload(k + 2 * i * P),
+                                                         (__m512)kvload(k + (2 * i + 1) * P)));
     }
     for (int t = 0; t < KB; t += 2) {
         const int a = kb + t;
-        const float* v = a <= last ? vh + (size_t)pages[a / P] * page + (size_t)(a % P) * D : 0;
+        const kv_t* v = a <= last ? vh + (size_t)pages[a / P] * page + (size_t)(a % P) * D : 0;
         for (int c = 0; c < D; c += 16) {
-            const __m512 lo = a <= last ? _mm512_loadu_ps(v + c) : _mm512_setzero_ps();
-            const __m512 hi = a + 1 <= last ? _mm512_loadu_ps(v + D + c) : _mm512_setzero_ps();
+            const __m512 lo = a <= last ? (__m512)kvload(v + c) : _mm512_setzero_ps();
+            const __m512 hi = a + 1 <= last ? (__m512)kvload(v + D + c) : _mm512_setzero_ps();
             _mm512_store_si512(&b->v[t / 2][c], bf16_pairs(lo, hi));
         }
     }
@@ -381,7 +394,7 @@ static void tile_init(tile_state* t, const float* q, long q_row, long q_head, in
 
 /* The keys [kb, kb + KB) into a tile's running softmax (kb <= t->hi); with BF16, `b` is
  * the block converted (block_convert). */
-static void tile_block(tile_state* t, const float* kh, const float* vh, size_t page,
+static void tile_block(tile_state* t, const kv_t* kh, const kv_t* vh, size_t page,
                        const int32_t* pages, int npg, int kb, const void* b) {
     float sc[ROWS][KB] __attribute__((aligned(64)));
     float alpha[ROWS];
@@ -447,14 +460,14 @@ static void tile_finish(const tile_state* t, float* out, int S, int heads, int g
 
 /* One job: KV head h, tiles [tile0, tile0 + n) (n <= TPJ). The tiles walk the keys
  * together, block by block, so a block read for the first is in the L1 for the others. */
-static void prefill_job(const float* q, long q_row, long q_head, const float* kpool,
-                        const float* vpool, const int32_t* pages, float* out, int S,
+static void prefill_job(const float* q, long q_row, long q_head, const kv_t* kpool,
+                        const kv_t* vpool, const int32_t* pages, float* out, int S,
                         int start, int kv_heads, int group, float scale, int h, int tile0,
                         int n) {
     const size_t page = (size_t)kv_heads * P * D;
     const int npg = (start + S + P - 1) / P;
-    const float* kh = kpool + (size_t)h * D * P;
-    const float* vh = vpool + (size_t)h * P * D;
+    const kv_t* kh = kpool + (size_t)h * D * P;
+    const kv_t* vh = vpool + (size_t)h * P * D;
     tile_state ts[TPJ];
     int hi = 0;
     for (int i = 0; i < n; i++) {
@@ -498,8 +511,8 @@ int mc_paged_prefill_supported(void) {
 }
 
 /* 0; 1 for a shape this build does not support (the caller takes the torch path). */
-int mc_paged_prefill_f32(const float* q, long q_row, long q_head, const float* kpool,
-                         const float* vpool, const int32_t* pages, float* out, int S,
+int mc_paged_prefill_f32(const float* q, long q_row, long q_head, const kv_t* kpool,
+                         const kv_t* vpool, const int32_t* pages, float* out, int S,
                          int start, int kv_heads, int group, float scale, int threads) {
 #ifdef PREFILL_SUPPORTED
     const int tiles = (S * group + ROWS - 1) / ROWS, per = (tiles + TPJ - 1) / TPJ;
