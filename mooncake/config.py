@@ -34,6 +34,8 @@ RUNTIME_ENV = DEFAULT_DATA_DIR / "runtime.env"
 # A prefill precision setting (EngineSettings.attention, .gemm): "auto" is bfloat16 where it
 # measures faster on this CPU, silently float32 elsewhere (`resolve_precision`).
 Precision = Literal["auto", "float32", "bfloat16"]
+# Bytes of one element of each resolved precision (a KV pool's, EngineSettings.kv).
+PRECISION_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def resolve_precision(value: Precision, exact: bool = False) -> Literal["float32", "bfloat16"]:

@@ -51,7 +51,7 @@ def profile_engine_cmd(
 
     import torch
 
-    from mooncake.config import resolve_precision
+    from mooncake.config import PRECISION_BYTES, resolve_precision
     from mooncake.engine import Engine, EngineError, KVPoolExhausted, ModelSpec, dummy_model
     from mooncake.engine.gguf_loader import load_gguf, smollm2_path
     from mooncake.engine.profile import pool_tokens_for, profile_engine
@@ -78,7 +78,7 @@ def profile_engine_cmd(
                                  block_tokens, reps, model.spec.context)  # fmt: skip
         # The pool's element type as a worker's (engine.kv; float32 for --dummy, exact).
         kv = resolve_precision(configured.kv, exact=dummy)
-        per_token = model.spec.kv_bytes_per_token(2 if kv == "bfloat16" else 4)
+        per_token = model.spec.kv_bytes_per_token(PRECISION_BYTES[kv])
         engine = Engine(model, tokenizer, block_tokens=block_tokens,
                         kv_budget_bytes=tokens * per_token, attention=attention_p,
                         gemm=gemm_p, kv=kv)  # fmt: skip

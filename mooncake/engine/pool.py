@@ -230,7 +230,7 @@ class KVPool:
         return torch.stack((k, v), dim=1)
 
     def _block_writer(self) -> native.BlockWriter | None:
-        """The native block copy (`native` pools), or None: torch's copies."""
+        """The native block copy (`native_kv` pools), or None: torch's copies."""
         if not self.native_kv:
             return None
         return native.load_block_writer(self.shape.head_dim, self.page_tokens, self.kv_bf16)

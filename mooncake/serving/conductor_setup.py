@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from mooncake.config import EngineSettings, Settings
+from mooncake.config import PRECISION_BYTES, EngineSettings, Settings
 from mooncake.core.conductor import ConductorConfig
 from mooncake.core.cost_model import (
     A800_X8,
@@ -86,7 +86,7 @@ def memory_parts(settings: Settings) -> dict[str, int]:
 def kv_bytes_per_token(engine: EngineSettings) -> int:
     """KV bytes one token takes in the served model (K and V, every layer, in the pool's
     element type: EngineSettings.kv)."""
-    width = 2 if engine.kv_precision == "bfloat16" else 4
+    width = PRECISION_BYTES[engine.kv_precision]
     if engine.model == "dummy":
         d = engine.dummy
         return 2 * d.layers * d.kv_heads * (d.hidden // d.heads) * width
